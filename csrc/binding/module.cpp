@@ -1,0 +1,252 @@
+// The thin pybind11 binding of the engine: dcp_datastates._core.
+//
+// Rules: every call that can block (waits, allocation, file opens, close) releases the GIL; the
+// engine's own threads never touch Python; arguments are plain values (addresses, sizes, paths).
+// Every EngineError becomes dcp_datastates._core.EngineError (a RuntimeError).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "../engine/crc32c.hpp"
+#include "../engine/engine.hpp"
+#include "../engine/error.hpp"
+#include "../engine/posix_file.hpp"
+#include "../engine/ring_allocator.hpp"
+
+namespace py = pybind11;
+using dcpds::Engine;
+using dcpds::EngineOptions;
+using dcpds::RingAllocator;
+
+namespace {
+
+// Owns the Engine so that Python can close it deterministically (close() joins the threads with
+// the GIL released; the destructor does the same if close() was never called).
+class EngineHandle {
+ public:
+  explicit EngineHandle(const EngineOptions& o) {
+    py::gil_scoped_release nogil;
+    engine_ = std::make_unique<Engine>(o);
+  }
+  ~EngineHandle() {
+    if (engine_) {
+      py::gil_scoped_release nogil;
+      engine_.reset();
+    }
+  }
+  Engine& get() {
+    if (!engine_) throw dcpds::EngineError("the engine is closed");
+    return *engine_;
+  }
+  void close() {
+    py::gil_scoped_release nogil;
+    engine_.reset();
+  }
+  bool closed() const { return !engine_; }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
+py::dict stats_to_dict(const dcpds::JobStats& s) {
+  py::dict d;
+  d["created_s"] = s.created_s;
+  d["captured_s"] = s.captured_s;
+  d["done_s"] = s.done_s;
+  d["bytes_total"] = s.bytes_total;
+  d["bytes_copied"] = s.bytes_copied;
+  d["bytes_written"] = s.bytes_written;
+  d["copy_busy_s"] = s.copy_busy_s;
+  d["flush_busy_s"] = s.flush_busy_s;
+  d["failed"] = s.failed;
+  d["error"] = s.error;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "Native host-cache engine of dcp_datastates (see csrc/engine/engine.hpp).";
+  py::register_exception<dcpds::EngineError>(m, "EngineError", PyExc_RuntimeError);
+
+  m.def(
+      "crc32c",
+      [](py::buffer b, std::uint32_t crc) {
+        py::buffer_info info = b.request();
+        const auto bytes = static_cast<std::size_t>(info.size * info.itemsize);
+        const void* ptr = info.ptr;
+        py::gil_scoped_release nogil;
+        return dcpds::crc32c(crc, ptr, bytes);
+      },
+      py::arg("data"), py::arg("crc") = 0, "CRC-32C of a buffer (extends `crc`). Releases the GIL.");
+  m.def("crc32c_address",
+        [](std::uintptr_t address, std::size_t bytes, std::uint32_t crc) {
+          py::gil_scoped_release nogil;
+          return dcpds::crc32c(crc, reinterpret_cast<const void*>(address), bytes);
+        },
+        py::arg("address"), py::arg("bytes"), py::arg("crc") = 0);
+  m.def("set_write_fault", &dcpds::set_write_fault, py::arg("path_substring"), py::arg("errno"),
+        "Test hook: writes to paths containing the substring fail with errno (\"\" disables).");
+
+  py::class_<RingAllocator>(m, "RingAllocator")
+      .def(py::init<std::size_t>(), py::arg("capacity_bytes"))
+      .def("try_allocate", &RingAllocator::try_allocate, py::arg("bytes"), py::arg("align") = 64)
+      .def(
+          "allocate",
+          [](RingAllocator& r, std::size_t bytes, std::size_t align) {
+            py::gil_scoped_release nogil;
+            return r.allocate(bytes, align);
+          },
+          py::arg("bytes"), py::arg("align") = 64)
+      .def("release", &RingAllocator::release, py::arg("offset"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &RingAllocator::shutdown)
+      .def_property_readonly("capacity", &RingAllocator::capacity)
+      .def_property_readonly("used_bytes", &RingAllocator::used_bytes)
+      .def_property_readonly("live_blocks", &RingAllocator::live_blocks);
+
+  py::class_<EngineHandle>(m, "Engine")
+      .def(py::init([](std::size_t cache_bytes, std::size_t chunk_bytes, int copy_threads,
+                       int flush_threads, bool o_direct, bool prefault, bool checksums,
+                       bool durable, int flush_nice) {
+             EngineOptions o;
+             o.cache_bytes = cache_bytes;
+             o.chunk_bytes = chunk_bytes;
+             o.copy_threads = copy_threads;
+             o.flush_threads = flush_threads;
+             o.o_direct = o_direct;
+             o.prefault = prefault;
+             o.checksums = checksums;
+             o.durable = durable;
+             o.flush_nice = flush_nice;
+             return std::make_unique<EngineHandle>(o);
+           }),
+           py::arg("cache_bytes"), py::arg("chunk_bytes") = 64u << 20, py::arg("copy_threads") = 1,
+           py::arg("flush_threads") = 2, py::arg("o_direct") = false, py::arg("prefault") = true,
+           py::arg("checksums") = true, py::arg("durable") = true, py::arg("flush_nice") = 5)
+      .def("close", &EngineHandle::close)
+      .def_property_readonly("closed", &EngineHandle::closed)
+      .def_property_readonly("cache_bytes", [](EngineHandle& h) { return h.get().cache_bytes(); })
+      .def_property_readonly("chunk_bytes", [](EngineHandle& h) { return h.get().chunk_bytes(); })
+      .def_property_readonly("cache_address", [](EngineHandle& h) {
+        return reinterpret_cast<std::uintptr_t>(h.get().cache_data());
+      })
+      .def("cache_view",
+           [](EngineHandle& h) {
+             Engine& e = h.get();
+             return py::memoryview::from_memory(e.cache_data(),
+                                                static_cast<py::ssize_t>(e.cache_bytes()), false);
+           },
+           "A writable memoryview of the whole host cache; invalid after close().")
+      .def("enable_cuda",
+           [](EngineHandle& h, const std::string& path) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             e.enable_cuda(path);
+           },
+           py::arg("runtime_path") = "")
+      .def_property_readonly("cuda_enabled", [](EngineHandle& h) { return h.get().cuda_enabled(); })
+      .def("create_job", [](EngineHandle& h, const std::string& label) {
+        return h.get().create_job(label);
+      })
+      .def("add_entry",
+           [](EngineHandle& h, std::uint64_t job, const std::string& name, std::uintptr_t src,
+              std::size_t bytes, int device, std::uintptr_t ready_event) {
+             return h.get().add_entry(job, name, src, bytes, device, ready_event);
+           },
+           py::arg("job"), py::arg("name"), py::arg("src"), py::arg("bytes"),
+           py::arg("device") = -1, py::arg("ready_event") = 0)
+      .def("start_copies", [](EngineHandle& h, std::uint64_t job) { h.get().start_copies(job); })
+      .def("open_file",
+           [](EngineHandle& h, std::uint64_t job, const std::string& path) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.open_file(job, path);
+           })
+      .def("place",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::int32_t file,
+              std::uint64_t payload_offset, const py::bytes& header, const py::bytes& trailer) {
+             h.get().place(job, entry, file, payload_offset, std::string(header),
+                           std::string(trailer));
+           })
+      .def("place_external", [](EngineHandle& h, std::uint64_t job,
+                                std::uint32_t entry) { h.get().place_external(job, entry); })
+      .def("skip", [](EngineHandle& h, std::uint64_t job, std::uint32_t entry) {
+        h.get().skip(job, entry);
+      })
+      .def("write_bytes",
+           [](EngineHandle& h, std::uint64_t job, std::int32_t file, std::uint64_t offset,
+              const py::bytes& data) { h.get().write_bytes(job, file, offset, std::string(data)); })
+      .def("seal", [](EngineHandle& h, std::uint64_t job) { h.get().seal(job); })
+      .def("chunk_count", [](EngineHandle& h, std::uint64_t job, std::uint32_t entry) {
+        return h.get().chunk_count(job, entry);
+      })
+      .def("wait_chunk",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::uint32_t chunk) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.wait_chunk(job, entry, chunk);
+           })
+      .def("release_chunk",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::uint32_t chunk) {
+             h.get().release_chunk(job, entry, chunk);
+           })
+      .def("wait_captured",
+           [](EngineHandle& h, std::uint64_t job, double timeout_s) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.wait_captured(job, timeout_s);
+           },
+           py::arg("job"), py::arg("timeout_s") = -1.0)
+      .def("wait_done",
+           [](EngineHandle& h, std::uint64_t job, double timeout_s) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.wait_done(job, timeout_s);
+           },
+           py::arg("job"), py::arg("timeout_s") = -1.0)
+      .def("is_captured", [](EngineHandle& h, std::uint64_t job) { return h.get().is_captured(job); })
+      .def("is_done", [](EngineHandle& h, std::uint64_t job) { return h.get().is_done(job); })
+      .def("abort", [](EngineHandle& h, std::uint64_t job, const std::string& reason) {
+        h.get().abort(job, reason);
+      })
+      .def("forget",
+           [](EngineHandle& h, std::uint64_t job) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             e.forget(job);
+           })
+      .def("chunk_records",
+           [](EngineHandle& h, std::uint64_t job) {
+             py::list out;
+             for (const auto& r : h.get().chunk_records(job)) {
+               out.append(py::make_tuple(r.entry, r.chunk, r.file, r.file_offset, r.entry_offset,
+                                         r.bytes, r.crc32c));
+             }
+             return out;
+           },
+           "(entry, chunk, file, file_offset, entry_offset, bytes, crc32c) per written chunk.")
+      .def("stats", [](EngineHandle& h, std::uint64_t job) { return stats_to_dict(h.get().stats(job)); })
+      .def("counters",
+           [](EngineHandle& h) {
+             const auto c = h.get().counters();
+             py::dict d;
+             d["cache_bytes"] = c.cache_bytes;
+             d["cache_used_bytes"] = c.cache_used_bytes;
+             d["live_blocks"] = c.live_blocks;
+             d["jobs"] = c.jobs;
+             d["open_files"] = c.open_files;
+             d["pending_copies"] = c.pending_copies;
+             d["pending_flushes"] = c.pending_flushes;
+             return d;
+           })
+      .def("pause_copies", [](EngineHandle& h, bool p) { h.get().pause_copies(p); },
+           "Test hook: holds the copy threads before their next chunk.")
+      .def("set_delays",
+           [](EngineHandle& h, int copy_us, int flush_us, std::uint64_t seed) {
+             h.get().set_delays(copy_us, flush_us, seed);
+           },
+           py::arg("copy_delay_us_max"), py::arg("flush_delay_us_max"), py::arg("seed") = 0,
+           "Test hook: random sleeps before each copy and flush, to shake out races.");
+}

@@ -1,0 +1,757 @@
+#include "engine.hpp"
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "crc32c.hpp"
+#include "error.hpp"
+
+namespace dcpds {
+namespace {
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+std::size_t clamp_chunk(const EngineOptions& o) {
+  DCPDS_CHECK(o.cache_bytes > 0, "host cache size must be positive");
+  std::size_t c = o.chunk_bytes == 0 ? (64u << 20) : o.chunk_bytes;
+  c = std::min(c, o.cache_bytes);
+  // Keep chunks page multiples so that every chunk of a page-aligned payload stays page-aligned.
+  if (c >= PosixFile::kDirectAlign) c = c / PosixFile::kDirectAlign * PosixFile::kDirectAlign;
+  return c;
+}
+
+}  // namespace
+
+Engine::Engine(const EngineOptions& options)
+    : options_(options),
+      chunk_bytes_(clamp_chunk(options)),
+      align_(options.o_direct ? PosixFile::kDirectAlign : 64),
+      cuda_(nullptr),
+      cache_(options.cache_bytes, options.prefault),
+      ring_(options.cache_bytes) {
+  DCPDS_CHECK(options.copy_threads >= 1, "copy_threads must be at least 1");
+  DCPDS_CHECK(options.flush_threads >= 1, "flush_threads must be at least 1");
+  try {
+    for (int i = 0; i < options.copy_threads; ++i) threads_.emplace_back([this, i] { copy_loop(i); });
+    for (int i = 0; i < options.flush_threads; ++i)
+      threads_.emplace_back([this, i] { flush_loop(i); });
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    ring_.shutdown();
+    for (auto& t : threads_) t.join();
+    throw;
+  }
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    for (auto& kv : jobs_) fail_locked(*kv.second, "the engine was closed before this save finished");
+  }
+  work_cv_.notify_all();
+  state_cv_.notify_all();
+  ring_.shutdown();
+  for (auto& t : threads_) t.join();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bookkeeping helpers (all with mu_ held)
+
+Engine::Job& Engine::job_locked(std::uint64_t id) {
+  auto it = jobs_.find(id);
+  DCPDS_CHECK(it != jobs_.end(), "unknown save job " + std::to_string(id));
+  return *it->second;
+}
+
+void Engine::check_failed_locked(const Job& job) const {
+  if (job.failed.load()) throw EngineError(job.error);
+}
+
+void Engine::fail_locked(Job& job, const std::string& message) {
+  if (job.failed.load() || job.done) return;
+  job.error = message;
+  job.stats.error = message;
+  job.stats.failed = true;
+  job.failed.store(true);
+  // Drop every chunk no worker holds: pending copies and landed chunks.
+  for (auto& e : job.entries) {
+    for (auto& c : e.chunks) {
+      if (c.state == ChunkState::kPending && e.queued) {
+        resolve_copy_locked(job, c);
+        c.state = ChunkState::kSkipped;
+        --job.outstanding;
+      } else if (c.state == ChunkState::kLanded) {
+        finish_chunk_locked(job, c, ChunkState::kSkipped);
+      }
+    }
+  }
+  // Queued raw writes and finalize tasks see the flag and count themselves out.
+  maybe_finalize_locked(job);
+  ring_.notify_waiters();
+  state_cv_.notify_all();
+}
+
+void Engine::resolve_copy_locked(Job& job, Chunk& chunk) {
+  (void)chunk;
+  if (job.uncaptured > 0 && --job.uncaptured == 0 && !job.captured) {
+    job.captured = true;
+    job.stats.captured_s = now_s();
+  }
+}
+
+void Engine::finish_chunk_locked(Job& job, Chunk& chunk, ChunkState to) {
+  ring_.release(chunk.cache_offset);
+  chunk.state = to;
+  --job.outstanding;
+}
+
+void Engine::maybe_finalize_locked(Job& job) {
+  if (job.done || job.outstanding != 0 || job.uncaptured != 0) return;
+  if (job.failed.load()) {
+    if (job.finalizing) return;  // the finalize task in the queue will complete the job
+    for (auto& f : job.files) f->close();
+    job.done = true;
+    job.stats.done_s = now_s();
+    state_cv_.notify_all();
+    return;
+  }
+  if (!job.sealed || job.finalizing) return;
+  job.finalizing = true;
+  enqueue_flush_locked(FlushTask{FlushKind::kFinalize, job.id});
+}
+
+void Engine::enqueue_flush_locked(const FlushTask& t) {
+  flush_queue_.push_back(t);
+  work_cv_.notify_all();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stage 1: register
+
+std::uint64_t Engine::create_job(const std::string& label) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DCPDS_CHECK(!stop_, "the engine is closed");
+  const std::uint64_t id = next_job_++;
+  auto job = std::make_unique<Job>();
+  job->id = id;
+  job->label = label;
+  job->stats.created_s = now_s();
+  jobs_.emplace(id, std::move(job));
+  return id;
+}
+
+std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, std::uintptr_t src,
+                                std::size_t bytes, int device, std::uintptr_t ready_event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  DCPDS_CHECK(!job.sealed, "cannot add entry '" + name + "' to a sealed save");
+  DCPDS_CHECK(bytes == 0 || src != 0, "entry '" + name + "' has a null source address");
+  DCPDS_CHECK(device < 0 || cuda_ != nullptr,
+              "entry '" + name + "' is on a CUDA device but CUDA is not enabled on this engine");
+  Entry e;
+  e.name = name;
+  e.src = src;
+  e.bytes = bytes;
+  e.device = device;
+  e.ready_event = ready_event;
+  for (std::size_t off = 0; off < bytes; off += chunk_bytes_) {
+    Chunk c;
+    c.entry_offset = off;
+    c.bytes = std::min(chunk_bytes_, bytes - off);
+    e.chunks.push_back(c);
+  }
+  job.entries.push_back(std::move(e));
+  job.stats.bytes_total += bytes;
+  return static_cast<std::uint32_t>(job.entries.size() - 1);
+}
+
+void Engine::start_copies(std::uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  for (std::uint32_t ei = 0; ei < job.entries.size(); ++ei) {
+    Entry& e = job.entries[ei];
+    if (e.queued) continue;
+    e.queued = true;
+    for (std::uint32_t ci = 0; ci < e.chunks.size(); ++ci) {
+      if (e.placement == Placement::kSkip) {
+        e.chunks[ci].state = ChunkState::kSkipped;
+        continue;
+      }
+      copy_queue_.push_back(CopyTask{job_id, ei, ci});
+      ++job.uncaptured;
+      ++job.outstanding;
+    }
+  }
+  if (job.uncaptured == 0 && !job.captured) {
+    job.captured = true;
+    job.stats.captured_s = now_s();
+  }
+  maybe_finalize_locked(job);
+  work_cv_.notify_all();
+  state_cv_.notify_all();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stage 2: capture (copy threads)
+
+void Engine::maybe_delay(bool copy) {
+  int max_us;
+  std::uint64_t r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    max_us = copy ? copy_delay_us_ : flush_delay_us_;
+    if (max_us <= 0) return;
+    r = rng_();
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(r % static_cast<std::uint64_t>(max_us)));
+}
+
+void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, CudaRuntime::Stream stream,
+                     CudaRuntime::Event done_event, int& current_device) {
+  const auto* src = reinterpret_cast<const std::uint8_t*>(e.src) + c.entry_offset;
+  if (e.device < 0) {
+    std::memcpy(dst, src, c.bytes);
+    return;
+  }
+  if (current_device != e.device) {
+    cuda_->set_device(e.device);
+    current_device = e.device;
+  }
+  // Order the copy after the producer's work: the event was recorded on the compute stream at
+  // save time, so the bytes copied are the ones of that moment.
+  if (e.ready_event != 0)
+    cuda_->stream_wait_event(stream, reinterpret_cast<CudaRuntime::Event>(e.ready_event));
+  cuda_->memcpy_d2h_async(dst, src, c.bytes, stream);
+  cuda_->record_event(done_event, stream);
+  cuda_->synchronize_event(done_event);
+}
+
+void Engine::copy_loop(int /*index*/) {
+  // Per-thread CUDA resources, created on first use, one stream/event per device.
+  std::map<int, std::pair<CudaRuntime::Stream, CudaRuntime::Event>> cuda_res;
+  int current_device = -1;
+  for (;;) {
+    CopyTask task{};
+    std::uint64_t ticket = 0;
+    Job* job = nullptr;
+    std::size_t bytes = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || (!paused_ && !copy_queue_.empty()); });
+      if (stop_) break;
+      task = copy_queue_.front();
+      copy_queue_.pop_front();
+      auto it = jobs_.find(task.job);
+      if (it == jobs_.end()) continue;
+      job = it->second.get();
+      Chunk& c = job->entries[task.entry].chunks[task.chunk];
+      if (c.state != ChunkState::kPending) continue;  // skipped or failed meanwhile
+      c.state = ChunkState::kCopying;
+      bytes = c.bytes;
+      // Tickets are taken in queue order under mu_, so cache space is granted in queue order.
+      ticket = ring_.take_ticket();
+    }
+    std::atomic<bool>& failed = job->failed;
+    auto off = ring_.allocate_with_ticket(ticket, bytes, align_,
+                                          [&] { return failed.load(); });
+    std::string error;
+    const double t0 = now_s();
+    if (off) {
+      try {
+        std::unique_lock<std::mutex> lock(mu_);
+        const Entry e = [&] {  // a copy without the chunk vector would do; entries are small
+          const Entry& src = job->entries[task.entry];
+          Entry copy;
+          copy.name = src.name;
+          copy.src = src.src;
+          copy.device = src.device;
+          copy.ready_event = src.ready_event;
+          return copy;
+        }();
+        const Chunk c = job->entries[task.entry].chunks[task.chunk];
+        lock.unlock();
+        CudaRuntime::Stream stream = nullptr;
+        CudaRuntime::Event ev = nullptr;
+        if (e.device >= 0) {
+          auto rit = cuda_res.find(e.device);
+          if (rit == cuda_res.end()) {
+            cuda_->set_device(e.device);
+            current_device = e.device;
+            rit = cuda_res.emplace(e.device, std::make_pair(cuda_->create_stream(),
+                                                            cuda_->create_event()))
+                      .first;
+          }
+          stream = rit->second.first;
+          ev = rit->second.second;
+        }
+        maybe_delay(true);
+        do_copy(e, c, cache_.data() + *off, stream, ev, current_device);
+      } catch (const std::exception& ex) {
+        error = std::string("copy of '") + job->entries[task.entry].name + "' failed: " + ex.what();
+      }
+    }
+    const double t1 = now_s();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Entry& e = job->entries[task.entry];
+      Chunk& c = e.chunks[task.chunk];
+      job->stats.copy_busy_s += t1 - t0;
+      resolve_copy_locked(*job, c);
+      if (!off) {
+        c.state = ChunkState::kSkipped;  // cancelled: the job failed or the engine stopped
+        --job->outstanding;
+      } else {
+        c.cache_offset = *off;
+        c.state = ChunkState::kLanded;
+        if (!error.empty()) fail_locked(*job, error);
+        if (job->failed.load() || e.placement == Placement::kSkip) {
+          if (c.state == ChunkState::kLanded) finish_chunk_locked(*job, c, ChunkState::kSkipped);
+        } else {
+          job->stats.bytes_copied += c.bytes;
+          if (e.placement == Placement::kFile) {
+            c.state = ChunkState::kFlushing;
+            enqueue_flush_locked(FlushTask{FlushKind::kChunk, job->id, task.entry, task.chunk});
+          }
+        }
+      }
+      maybe_finalize_locked(*job);
+      state_cv_.notify_all();
+    }
+  }
+  for (auto& kv : cuda_res) {
+    cuda_->destroy_event(kv.second.second);
+    cuda_->destroy_stream(kv.second.first);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stage 3: place
+
+std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_failed_locked(job_locked(job_id));
+  }
+  auto file = std::make_unique<PosixFile>(path, options_.o_direct);  // may throw, naming the path
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  job.files.push_back(std::move(file));
+  return static_cast<std::int32_t>(job.files.size() - 1);
+}
+
+void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
+                   std::uint64_t payload_offset, const std::string& header,
+                   const std::string& trailer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+  DCPDS_CHECK(file >= 0 && static_cast<std::size_t>(file) < job.files.size(),
+              "unknown file " + std::to_string(file));
+  Entry& e = job.entries[entry];
+  DCPDS_CHECK(e.placement == Placement::kNone, "entry '" + e.name + "' is placed twice");
+  DCPDS_CHECK(header.size() <= payload_offset, "header of '" + e.name + "' overlaps the file start");
+  e.placement = Placement::kFile;
+  e.file = file;
+  e.payload_offset = payload_offset;
+  e.header = header;
+  e.trailer = trailer;
+  if (e.chunks.empty()) {
+    // A zero-size payload: only the header and trailer are written.
+    job.raws.push_back(RawWrite{file, payload_offset - header.size(), header + trailer});
+    ++job.outstanding;
+    enqueue_flush_locked(FlushTask{FlushKind::kRaw, job_id, 0,
+                                   static_cast<std::uint32_t>(job.raws.size() - 1)});
+    return;
+  }
+  for (std::uint32_t ci = 0; ci < e.chunks.size(); ++ci) {
+    if (e.chunks[ci].state == ChunkState::kLanded) {
+      e.chunks[ci].state = ChunkState::kFlushing;
+      enqueue_flush_locked(FlushTask{FlushKind::kChunk, job_id, entry, ci});
+    }
+  }
+}
+
+void Engine::place_external(std::uint64_t job_id, std::uint32_t entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+  Entry& e = job.entries[entry];
+  DCPDS_CHECK(e.placement == Placement::kNone, "entry '" + e.name + "' is placed twice");
+  e.placement = Placement::kExternal;
+}
+
+void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+  Entry& e = job.entries[entry];
+  if (e.placement == Placement::kSkip) return;
+  DCPDS_CHECK(e.placement == Placement::kNone, "entry '" + e.name + "' is already placed");
+  e.placement = Placement::kSkip;
+  for (auto& c : e.chunks) {
+    if (c.state == ChunkState::kPending && e.queued) {
+      resolve_copy_locked(job, c);
+      c.state = ChunkState::kSkipped;
+      --job.outstanding;
+    } else if (c.state == ChunkState::kLanded) {
+      finish_chunk_locked(job, c, ChunkState::kSkipped);
+    }
+  }
+  maybe_finalize_locked(job);
+  state_cv_.notify_all();
+}
+
+void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t offset,
+                         const std::string& data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  DCPDS_CHECK(!job.sealed, "cannot write to a sealed save");
+  DCPDS_CHECK(file >= 0 && static_cast<std::size_t>(file) < job.files.size(),
+              "unknown file " + std::to_string(file));
+  job.raws.push_back(RawWrite{file, offset, data});
+  ++job.outstanding;
+  enqueue_flush_locked(
+      FlushTask{FlushKind::kRaw, job_id, 0, static_cast<std::uint32_t>(job.raws.size() - 1)});
+}
+
+void Engine::seal(std::uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  if (job.sealed) return;
+  for (std::uint32_t ei = 0; ei < job.entries.size(); ++ei) {
+    Entry& e = job.entries[ei];
+    if (!e.queued) {
+      e.queued = true;  // never started: nothing to copy
+      e.placement = Placement::kSkip;
+      for (auto& c : e.chunks) c.state = ChunkState::kSkipped;
+    } else if (e.placement == Placement::kNone) {
+      e.placement = Placement::kSkip;
+      for (auto& c : e.chunks) {
+        if (c.state == ChunkState::kPending) {
+          resolve_copy_locked(job, c);
+          c.state = ChunkState::kSkipped;
+          --job.outstanding;
+        } else if (c.state == ChunkState::kLanded) {
+          finish_chunk_locked(job, c, ChunkState::kSkipped);
+        }
+      }
+    }
+  }
+  job.sealed = true;
+  maybe_finalize_locked(job);
+  state_cv_.notify_all();
+}
+
+// ------------------------------------------------------------------------------------------------
+// External consumers
+
+std::uint32_t Engine::chunk_count(std::uint64_t job_id, std::uint32_t entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+  return static_cast<std::uint32_t>(job.entries[entry].chunks.size());
+}
+
+std::pair<std::size_t, std::size_t> Engine::wait_chunk(std::uint64_t job_id, std::uint32_t entry,
+                                                       std::uint32_t chunk) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
+              "unknown chunk");
+  DCPDS_CHECK(job.entries[entry].placement == Placement::kExternal,
+              "entry '" + job.entries[entry].name + "' is not placed for an external consumer");
+  state_cv_.wait(lock, [&] {
+    const auto s = job.entries[entry].chunks[chunk].state;
+    return job.failed.load() || s == ChunkState::kLanded || s == ChunkState::kDone ||
+           s == ChunkState::kSkipped;
+  });
+  check_failed_locked(job);
+  const Chunk& c = job.entries[entry].chunks[chunk];
+  DCPDS_CHECK(c.state == ChunkState::kLanded, "chunk of '" + job.entries[entry].name +
+                                                  "' was already released");
+  return {c.cache_offset, c.bytes};
+}
+
+void Engine::release_chunk(std::uint64_t job_id, std::uint32_t entry, std::uint32_t chunk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
+              "unknown chunk");
+  Chunk& c = job.entries[entry].chunks[chunk];
+  if (c.state != ChunkState::kLanded) return;  // already dropped by a failure
+  job.stats.bytes_written += c.bytes;
+  finish_chunk_locked(job, c, ChunkState::kDone);
+  maybe_finalize_locked(job);
+  state_cv_.notify_all();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stages 4 and 5: flush and finalize (flush threads)
+
+void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) {
+  PosixFile* file;
+  std::uint8_t* data;
+  std::size_t bytes;
+  std::uint64_t offset;
+  std::string header, trailer, name;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = job.entries[entry];
+    Chunk& c = e.chunks[chunk];
+    if (job.failed.load()) {
+      finish_chunk_locked(job, c, ChunkState::kSkipped);
+      maybe_finalize_locked(job);
+      return;
+    }
+    file = job.files[e.file].get();
+    data = cache_.data() + c.cache_offset;
+    bytes = c.bytes;
+    offset = e.payload_offset + c.entry_offset;
+    if (chunk == 0) header = e.header;
+    if (chunk + 1 == e.chunks.size()) trailer = e.trailer;
+    name = e.name;
+  }
+  std::string error;
+  std::uint32_t crc = 0;
+  const double t0 = now_s();
+  try {
+    maybe_delay(false);
+    if (options_.checksums) crc = crc32c(0, data, bytes);
+    if (file->direct_enabled()) {
+      if (!header.empty()) file->write_at(offset - header.size(), {iovec{header.data(), header.size()}});
+      file->write_payload_at(offset, data, bytes);
+      if (!trailer.empty()) file->write_at(offset + bytes, {iovec{trailer.data(), trailer.size()}});
+    } else {
+      file->write_at(offset - header.size(), {iovec{header.data(), header.size()},
+                                              iovec{data, bytes},
+                                              iovec{trailer.data(), trailer.size()}});
+    }
+  } catch (const std::exception& ex) {
+    error = "flush of '" + name + "' failed: " + ex.what();
+  }
+  const double t1 = now_s();
+  std::lock_guard<std::mutex> lock(mu_);
+  Chunk& c = job.entries[entry].chunks[chunk];
+  c.crc = crc;
+  job.stats.flush_busy_s += t1 - t0;
+  if (error.empty()) job.stats.bytes_written += bytes;
+  finish_chunk_locked(job, c, error.empty() ? ChunkState::kDone : ChunkState::kSkipped);
+  if (!error.empty()) fail_locked(job, error);
+  maybe_finalize_locked(job);
+  state_cv_.notify_all();
+}
+
+void Engine::do_finalize(Job& job) {
+  std::vector<PosixFile*> files;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& f : job.files) files.push_back(f.get());
+  }
+  std::string error;
+  try {
+    for (PosixFile* f : files) {
+      if (options_.durable) f->sync();
+      f->close();
+    }
+  } catch (const std::exception& ex) {
+    error = ex.what();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error.empty()) fail_locked(job, error);
+  for (auto& f : job.files) f->close();
+  job.finalizing = false;
+  job.done = true;
+  job.stats.done_s = now_s();
+  state_cv_.notify_all();
+}
+
+void Engine::flush_loop(int /*index*/) {
+  if (options_.flush_nice > 0) {
+    // Lower this thread's priority only (Linux: setpriority on a thread id). Best effort.
+    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), options_.flush_nice);
+  }
+  for (;;) {
+    FlushTask task{};
+    Job* job = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || !flush_queue_.empty(); });
+      if (stop_ && flush_queue_.empty()) break;
+      task = flush_queue_.front();
+      flush_queue_.pop_front();
+      auto it = jobs_.find(task.job);
+      if (it == jobs_.end()) continue;
+      job = it->second.get();
+    }
+    switch (task.kind) {
+      case FlushKind::kChunk:
+        do_flush_chunk(*job, task.entry, task.chunk);
+        break;
+      case FlushKind::kFinalize:
+        do_finalize(*job);
+        break;
+      case FlushKind::kRaw: {
+        PosixFile* file;
+        std::uint64_t offset;
+        std::string bytes;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (job->failed.load()) {
+            --job->outstanding;
+            maybe_finalize_locked(*job);
+            break;
+          }
+          const RawWrite& w = job->raws[task.chunk];
+          file = job->files[w.file].get();
+          offset = w.offset;
+          bytes = w.data;
+        }
+        std::string error;
+        try {
+          file->write_at(offset, {iovec{bytes.data(), bytes.size()}});
+        } catch (const std::exception& ex) {
+          error = ex.what();
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        if (error.empty()) job->stats.bytes_written += bytes.size();
+        --job->outstanding;
+        if (!error.empty()) fail_locked(*job, error);
+        maybe_finalize_locked(*job);
+        state_cv_.notify_all();
+        break;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Waiting and results
+
+bool Engine::wait_captured(std::uint64_t job_id, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  auto ready = [&] { return job.failed.load() || job.captured; };
+  if (timeout_s < 0) {
+    state_cv_.wait(lock, ready);
+  } else if (!state_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
+    return false;
+  }
+  check_failed_locked(job);
+  return true;
+}
+
+bool Engine::wait_done(std::uint64_t job_id, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  auto ready = [&] { return job.done; };
+  if (timeout_s < 0) {
+    state_cv_.wait(lock, ready);
+  } else if (!state_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
+    return false;
+  }
+  check_failed_locked(job);
+  return true;
+}
+
+bool Engine::is_captured(std::uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Job& job = job_locked(job_id);
+  return job.captured || job.failed.load();
+}
+
+bool Engine::is_done(std::uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return job_locked(job_id).done;
+}
+
+void Engine::abort(std::uint64_t job_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  fail_locked(*it->second, reason);
+}
+
+void Engine::forget(std::uint64_t job_id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  Job& job = *it->second;
+  if (!job.done) fail_locked(job, "the save was abandoned");
+  // Wait until no worker holds a chunk of this job, then drop it.
+  state_cv_.wait(lock, [&] { return job.done; });
+  jobs_.erase(job_id);
+}
+
+std::vector<ChunkRecord> Engine::chunk_records(std::uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Job& job = job_locked(job_id);
+  std::vector<ChunkRecord> out;
+  for (std::uint32_t ei = 0; ei < job.entries.size(); ++ei) {
+    const Entry& e = job.entries[ei];
+    if (e.placement != Placement::kFile) continue;
+    for (std::uint32_t ci = 0; ci < e.chunks.size(); ++ci) {
+      const Chunk& c = e.chunks[ci];
+      if (c.state != ChunkState::kDone) continue;
+      out.push_back(ChunkRecord{ei, ci, e.file, e.payload_offset + c.entry_offset, c.entry_offset,
+                                c.bytes, c.crc});
+    }
+  }
+  return out;
+}
+
+JobStats Engine::stats(std::uint64_t job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return job_locked(job_id).stats;
+}
+
+EngineCounters Engine::counters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::size_t files = 0;
+  for (auto& kv : jobs_)
+    for (auto& f : kv.second->files) files += f->is_open() ? 1 : 0;
+  return EngineCounters{cache_.size(), ring_.used_bytes(), ring_.live_blocks(), jobs_.size(),
+                        files, copy_queue_.size(), flush_queue_.size()};
+}
+
+void Engine::enable_cuda(const std::string& runtime_path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cuda_ != nullptr) return;
+  auto rt = std::make_unique<CudaRuntime>(runtime_path);
+  cache_.pin(*rt);
+  cuda_ = std::move(rt);
+}
+
+void Engine::pause_copies(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    paused_ = paused;
+  }
+  work_cv_.notify_all();
+}
+
+void Engine::set_delays(int copy_delay_us_max, int flush_delay_us_max, std::uint64_t seed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  copy_delay_us_ = copy_delay_us_max;
+  flush_delay_us_ = flush_delay_us_max;
+  rng_.seed(seed);
+}
+
+}  // namespace dcpds

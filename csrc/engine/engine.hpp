@@ -1,0 +1,251 @@
+// Engine: the native data path of a DataStatesWriter. It owns the host cache, the copy threads
+// (source memory -> host cache) and the flush threads (host cache -> files), and knows nothing
+// of Python, torch or DCP: it moves bytes between addresses and file offsets it is given.
+//
+// Stages of one save ("job"), each named where it happens in engine.cpp:
+//   1. register  - the caller adds entries (source address, size, device) and starts their copies;
+//   2. capture   - copy threads split entries into chunks of at most chunk_bytes, reserve cache
+//                  space for each (FIFO, blocking while the cache is full = backpressure) and copy;
+//                  a job is *captured* once no chunk is still to be copied: from then on the
+//                  engine never reads the sources again;
+//   3. place     - the caller tells where each entry goes (file + payload offset, plus header and
+//                  trailer bytes written around it), that it is consumed by the caller (external),
+//                  or that it is not needed (skip). Placement may come before or after capture;
+//   4. flush     - flush threads checksum each landed, placed chunk (CRC-32C), write it, and
+//                  release its cache space;
+//   5. finalize  - after seal() and once everything is written, data files are fdatasync'ed and
+//                  closed; the job is *done*.
+//
+// Threads: copy_threads + flush_threads native threads, started in the constructor and joined in
+// the destructor. They never call back into the caller; the caller waits (wait_captured /
+// wait_done). Flush threads run at a lower OS priority so that copies (which the training loop may
+// be waiting for) win the CPU.
+// Thread-safety: every public method may be called from any thread.
+// Lifetimes: a source address must stay valid until the job is captured; a job's bookkeeping is
+// kept until forget(). Header/trailer/bytes are copied into the engine.
+// Failures: the first error of a job (an I/O error naming the path, a CUDA error, an abort) is
+// latched on the job; its remaining work is dropped, its cache space returned, and wait_captured /
+// wait_done throw EngineError with that message. Other jobs are unaffected.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_runtime.hpp"
+#include "host_cache.hpp"
+#include "posix_file.hpp"
+#include "ring_allocator.hpp"
+
+namespace dcpds {
+
+struct EngineOptions {
+  std::size_t cache_bytes = 0;
+  std::size_t chunk_bytes = 64u << 20;   // largest single copy/write; clamped to cache_bytes
+  int copy_threads = 1;
+  int flush_threads = 2;
+  bool o_direct = false;                 // payloads through O_DIRECT where aligned
+  bool prefault = true;                  // touch the cache pages at construction
+  bool checksums = true;                 // CRC-32C per chunk
+  bool durable = true;                   // fdatasync data files before a job is done
+  int flush_nice = 5;                    // added niceness of flush threads (0: same as copies)
+};
+
+struct ChunkRecord {
+  std::uint32_t entry;
+  std::uint32_t chunk;
+  std::int32_t file;          // -1 for external entries
+  std::uint64_t file_offset;  // where the chunk's payload bytes start in the file
+  std::uint64_t entry_offset; // where the chunk starts inside the entry
+  std::uint64_t bytes;
+  std::uint32_t crc32c;
+};
+
+struct JobStats {
+  double created_s = 0;    // steady-clock seconds
+  double captured_s = -1;  // -1 while not captured
+  double done_s = -1;
+  std::uint64_t bytes_total = 0;
+  std::uint64_t bytes_copied = 0;
+  std::uint64_t bytes_written = 0;
+  double copy_busy_s = 0;  // summed over copy threads
+  double flush_busy_s = 0;
+  bool failed = false;
+  std::string error;
+};
+
+struct EngineCounters {
+  std::size_t cache_bytes;
+  std::size_t cache_used_bytes;
+  std::size_t live_blocks;
+  std::size_t jobs;
+  std::size_t open_files;
+  std::size_t pending_copies;
+  std::size_t pending_flushes;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options);
+  ~Engine();  // aborts unfinished jobs, joins threads, frees the cache
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // --- register
+  std::uint64_t create_job(const std::string& label);
+  // device < 0: host memory; else a CUDA device ordinal and `ready_event` (a cudaEvent_t recorded
+  // on the producing stream, or 0) that the copy must wait for. Returns the entry index.
+  std::uint32_t add_entry(std::uint64_t job, const std::string& name, std::uintptr_t src,
+                          std::size_t bytes, int device, std::uintptr_t ready_event);
+  void start_copies(std::uint64_t job);  // queues the copies of every entry added so far
+
+  // --- place
+  std::int32_t open_file(std::uint64_t job, const std::string& path);
+  void place(std::uint64_t job, std::uint32_t entry, std::int32_t file,
+             std::uint64_t payload_offset, const std::string& header, const std::string& trailer);
+  void place_external(std::uint64_t job, std::uint32_t entry);
+  void skip(std::uint64_t job, std::uint32_t entry);
+  void write_bytes(std::uint64_t job, std::int32_t file, std::uint64_t offset,
+                   const std::string& data);
+  void seal(std::uint64_t job);  // placement complete; entries never placed are skipped
+
+  // --- external consumers (the fsspec flush path): chunks in the order they were queued
+  std::uint32_t chunk_count(std::uint64_t job, std::uint32_t entry);
+  // Waits until the chunk has landed; returns {cache offset, bytes}.
+  std::pair<std::size_t, std::size_t> wait_chunk(std::uint64_t job, std::uint32_t entry,
+                                                 std::uint32_t chunk);
+  void release_chunk(std::uint64_t job, std::uint32_t entry, std::uint32_t chunk);
+
+  // --- wait; both throw the job's error. timeout_s < 0 waits forever; false on timeout.
+  bool wait_captured(std::uint64_t job, double timeout_s);
+  bool wait_done(std::uint64_t job, double timeout_s);
+  bool is_captured(std::uint64_t job);
+  bool is_done(std::uint64_t job);
+
+  void abort(std::uint64_t job, const std::string& reason);
+  void forget(std::uint64_t job);  // drops a finished job's bookkeeping (aborts it if unfinished)
+
+  std::vector<ChunkRecord> chunk_records(std::uint64_t job);
+  JobStats stats(std::uint64_t job);
+  EngineCounters counters();
+
+  // --- memory
+  std::uint8_t* cache_data() const { return cache_.data(); }
+  std::size_t cache_bytes() const { return cache_.size(); }
+  std::size_t chunk_bytes() const { return chunk_bytes_; }
+  void enable_cuda(const std::string& runtime_path);  // loads the runtime and pins the cache
+  bool cuda_enabled() const { return cuda_ != nullptr; }
+
+  // --- test hooks
+  void pause_copies(bool paused);
+  void set_delays(int copy_delay_us_max, int flush_delay_us_max, std::uint64_t seed);
+
+ private:
+  enum class ChunkState { kPending, kCopying, kLanded, kFlushing, kDone, kSkipped };
+  enum class Placement { kNone, kFile, kExternal, kSkip };
+
+  struct Chunk {
+    std::size_t entry_offset = 0;
+    std::size_t bytes = 0;
+    ChunkState state = ChunkState::kPending;
+    std::size_t cache_offset = 0;
+    std::uint64_t ticket = 0;
+    std::uint32_t crc = 0;
+  };
+  struct Entry {
+    std::string name;
+    std::uintptr_t src = 0;
+    std::size_t bytes = 0;
+    int device = -1;
+    std::uintptr_t ready_event = 0;
+    std::vector<Chunk> chunks;
+    bool queued = false;
+    Placement placement = Placement::kNone;
+    std::int32_t file = -1;
+    std::uint64_t payload_offset = 0;
+    std::string header, trailer;
+  };
+  struct RawWrite {
+    std::int32_t file;
+    std::uint64_t offset;
+    std::string data;
+  };
+  struct Job {
+    std::uint64_t id = 0;
+    std::string label;
+    std::vector<Entry> entries;
+    std::vector<std::unique_ptr<PosixFile>> files;
+    std::vector<RawWrite> raws;
+    bool sealed = false;
+    bool finalizing = false;
+    bool captured = false;
+    bool done = false;
+    std::atomic<bool> failed{false};
+    std::string error;
+    std::size_t uncaptured = 0;   // chunks queued or copying
+    std::size_t outstanding = 0;  // chunks not done/skipped + raw writes not written
+    JobStats stats;
+  };
+  enum class FlushKind { kChunk, kRaw, kFinalize };
+  struct FlushTask {
+    FlushKind kind;
+    std::uint64_t job;
+    std::uint32_t entry = 0;   // kChunk
+    std::uint32_t chunk = 0;   // kChunk; index into raws for kRaw
+  };
+  struct CopyTask {
+    std::uint64_t job;
+    std::uint32_t entry;
+    std::uint32_t chunk;
+  };
+
+  Job& job_locked(std::uint64_t id);
+  void fail_locked(Job& job, const std::string& message);
+  void resolve_copy_locked(Job& job, Chunk& chunk);   // a chunk leaves kPending/kCopying
+  void finish_chunk_locked(Job& job, Chunk& chunk, ChunkState to);  // leaves the cache
+  void maybe_finalize_locked(Job& job);
+  void enqueue_flush_locked(const FlushTask& t);
+  void check_failed_locked(const Job& job) const;
+
+  void copy_loop(int index);
+  void flush_loop(int index);
+  void do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, CudaRuntime::Stream stream,
+               CudaRuntime::Event done_event, int& current_device);
+  void do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk);
+  void do_finalize(Job& job);
+  void maybe_delay(bool copy);
+
+  const EngineOptions options_;
+  const std::size_t chunk_bytes_;
+  const std::size_t align_;
+  std::unique_ptr<CudaRuntime> cuda_;  // declared first: the pinned cache unregisters through it
+  HostCache cache_;
+  RingAllocator ring_;
+
+  std::mutex mu_;
+  std::condition_variable work_cv_;   // copy/flush queues changed, or stop
+  std::condition_variable state_cv_;  // job progress (captured, landed, done)
+  std::map<std::uint64_t, std::unique_ptr<Job>> jobs_;
+  std::uint64_t next_job_ = 1;
+  std::deque<CopyTask> copy_queue_;
+  std::deque<FlushTask> flush_queue_;
+  bool stop_ = false;
+  bool paused_ = false;
+  int copy_delay_us_ = 0, flush_delay_us_ = 0;
+  std::mt19937_64 rng_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace dcpds

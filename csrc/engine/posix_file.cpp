@@ -1,0 +1,121 @@
+#include "posix_file.hpp"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <mutex>
+
+#include "error.hpp"
+
+namespace dcpds {
+namespace {
+
+std::mutex g_fault_mu;
+std::string g_fault_needle;
+int g_fault_errno = 0;
+
+void maybe_inject_fault(const std::string& path) {
+  std::lock_guard<std::mutex> lock(g_fault_mu);
+  if (!g_fault_needle.empty() && path.find(g_fault_needle) != std::string::npos) {
+    DCPDS_CHECK(false, errno_message("write to " + path + " failed (injected fault)", g_fault_errno));
+  }
+}
+
+}  // namespace
+
+void set_write_fault(const std::string& needle, int err) {
+  std::lock_guard<std::mutex> lock(g_fault_mu);
+  g_fault_needle = needle;
+  g_fault_errno = err;
+}
+
+PosixFile::PosixFile(std::string path, bool o_direct) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) DCPDS_CHECK(false, errno_message("cannot create " + path_, errno));
+#ifdef O_DIRECT
+  if (o_direct) {
+    fd_direct_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    // tmpfs and some network file systems refuse O_DIRECT: fall back to buffered writes.
+  }
+#else
+  (void)o_direct;
+#endif
+}
+
+PosixFile::~PosixFile() { close(); }
+
+void PosixFile::write_at(std::uint64_t offset, const std::vector<iovec>& iov_in) {
+  maybe_inject_fault(path_);
+  std::vector<iovec> iov;
+  iov.reserve(iov_in.size());
+  for (const auto& v : iov_in)
+    if (v.iov_len > 0) iov.push_back(v);
+  std::size_t first = 0;
+  while (first < iov.size()) {
+    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t n = ::pwritev(fd_, iov.data() + first, count, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      DCPDS_CHECK(false, errno_message("write of " + path_ + " at offset " +
+                                           std::to_string(offset) + " failed",
+                                       errno));
+    }
+    DCPDS_CHECK(n > 0, "write of " + path_ + " made no progress");
+    offset += static_cast<std::uint64_t>(n);
+    std::size_t left = static_cast<std::size_t>(n);
+    while (left > 0 && first < iov.size()) {
+      if (left >= iov[first].iov_len) {
+        left -= iov[first].iov_len;
+        ++first;
+      } else {
+        iov[first].iov_base = static_cast<std::uint8_t*>(iov[first].iov_base) + left;
+        iov[first].iov_len -= left;
+        left = 0;
+      }
+    }
+  }
+}
+
+void PosixFile::write_payload_at(std::uint64_t offset, const std::uint8_t* data, std::size_t bytes) {
+  if (fd_direct_ >= 0 && offset % kDirectAlign == 0 &&
+      reinterpret_cast<std::uintptr_t>(data) % kDirectAlign == 0 && bytes >= kDirectAlign) {
+    maybe_inject_fault(path_);
+    const std::size_t aligned = bytes / kDirectAlign * kDirectAlign;
+    std::size_t done = 0;
+    while (done < aligned) {
+      const ssize_t n = ::pwrite(fd_direct_, data + done, aligned - done,
+                                 static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        DCPDS_CHECK(false, errno_message("O_DIRECT write of " + path_ + " at offset " +
+                                             std::to_string(offset + done) + " failed",
+                                         errno));
+      }
+      DCPDS_CHECK(n > 0, "write of " + path_ + " made no progress");
+      done += static_cast<std::size_t>(n);
+    }
+    if (aligned == bytes) return;
+    data += aligned;
+    offset += aligned;
+    bytes -= aligned;
+  }
+  write_at(offset, {iovec{const_cast<std::uint8_t*>(data), bytes}});
+}
+
+void PosixFile::sync() {
+  if (fd_ >= 0 && ::fdatasync(fd_) != 0)
+    DCPDS_CHECK(false, errno_message("fdatasync of " + path_ + " failed", errno));
+  if (fd_direct_ >= 0 && ::fdatasync(fd_direct_) != 0)
+    DCPDS_CHECK(false, errno_message("fdatasync of " + path_ + " failed", errno));
+}
+
+void PosixFile::close() {
+  if (fd_direct_ >= 0) ::close(fd_direct_);
+  if (fd_ >= 0) ::close(fd_);
+  fd_direct_ = fd_ = -1;
+}
+
+}  // namespace dcpds
