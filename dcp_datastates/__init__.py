@@ -1,0 +1,41 @@
+"""dcp_datastates: lazy asynchronous checkpointing for torch.distributed.checkpoint.
+
+A StorageWriter (and AsyncStager) that snapshots model and optimizer state into a preallocated
+host cache with native threads and flushes it to storage in the background; the checkpoints are
+plain DCP checkpoints that the stock ``dcp.load`` reads. See README.md and docs/.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import WriterConfig, parse_size
+from .errors import (
+    CaptureError,
+    CheckpointBusyError,
+    CheckpointSaveError,
+    DataStatesError,
+    IntegrityError,
+)
+from .planner import DataStatesSavePlanner
+from .verify import VerifyReport, verify_checkpoint
+from .writer import DataStatesWriter, ProtectHandle
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "CheckpointBusyError",
+    "CheckpointSaveError",
+    "DataStatesError",
+    "DataStatesSavePlanner",
+    "DataStatesWriter",
+    "IntegrityError",
+    "ProtectHandle",
+    "VerifyReport",
+    "WriterConfig",
+    "parse_size",
+    "verify_checkpoint",
+]

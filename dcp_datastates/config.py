@@ -1,0 +1,114 @@
+"""Writer configuration: sizes with units, validation against the machine, one frozen dataclass."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+CaptureMode = Literal["auto", "lazy", "eager"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, *, default_unit: int = 1024**3, what: str = "size") -> int:
+    """Returns a byte count.
+
+    Numbers are in ``default_unit`` (GiB by default, as in the DataStates ``host_cache_size``
+    setting); strings may carry a unit: ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"4096"`` (bytes
+    when a string has no unit). Raises ValueError naming ``what`` for anything else.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a number or a size string, not {value!r}")
+    if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{what} must be finite, got {value!r}")
+        nbytes = int(value * default_unit)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}: cannot parse {value!r} (examples: 16, '512MiB', '2GiB')")
+        nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise TypeError(f"{what} must be a number or a size string, not {type(value).__name__}")
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return nbytes
+
+
+def physical_memory_bytes() -> int | None:
+    """Total physical memory of this machine, or None where it cannot be read."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """Settings of a :class:`~dcp_datastates.DataStatesWriter` (see docs/configuration.md).
+
+    Attributes:
+        cache_bytes: size of the host cache, allocated once per writer.
+        chunk_bytes: largest single copy and write; tensors above it are split and streamed.
+        copy_threads: native threads copying tensors into the host cache.
+        flush_threads: native threads writing the cache to files.
+        files_per_rank: data files each rank writes (written in parallel).
+        o_direct: write payloads with O_DIRECT (4 KiB-aligned), bypassing the page cache.
+        capture: "auto" copies tensors owned by protected optimizers lazily and clones the rest at
+            save time; "lazy" copies every tensor lazily (the caller must not modify any before
+            ``wait_captured()``); "eager" clones every tensor at save time.
+        checksums: record a CRC-32C per chunk in the manifest.
+        durable: fdatasync data files and fsync directories before the commit.
+        prefault: touch the cache pages when the writer is created.
+        flush_nice: how much lower the OS priority of flush threads is than that of copy threads.
+    """
+
+    cache_bytes: int
+    chunk_bytes: int = 64 * 1024**2
+    copy_threads: int = 2
+    flush_threads: int = 2
+    files_per_rank: int = 2
+    o_direct: bool = False
+    capture: CaptureMode = "auto"
+    checksums: bool = True
+    durable: bool = True
+    prefault: bool = True
+    flush_nice: int = 5
+
+    def __post_init__(self) -> None:
+        if self.cache_bytes <= 0:
+            raise ValueError(f"host_cache_size must be positive, got {self.cache_bytes} bytes")
+        phys = physical_memory_bytes()
+        if phys is not None and self.cache_bytes > phys:
+            raise ValueError(
+                f"host_cache_size of {self.cache_bytes / 1024**3:.2f} GiB exceeds this machine's "
+                f"physical memory ({phys / 1024**3:.2f} GiB)"
+            )
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_size must be at least 4 KiB, got {self.chunk_bytes} bytes")
+        for name in ("copy_threads", "flush_threads", "files_per_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.capture not in ("auto", "lazy", "eager"):
+            raise ValueError(f"capture must be 'auto', 'lazy' or 'eager', got {self.capture!r}")
+        if not 0 <= self.flush_nice <= 19:
+            raise ValueError(f"flush_nice must be within 0..19, got {self.flush_nice!r}")

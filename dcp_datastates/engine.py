@@ -1,0 +1,186 @@
+"""Python facade of the native engine (``dcp_datastates._core``).
+
+The facade owns one ``_core.Engine`` (host cache + copy and flush threads) and translates its
+errors into :class:`~dcp_datastates.errors.CheckpointSaveError`. It knows nothing of DCP; the
+writer drives it. Contracts (see csrc/engine/engine.hpp for the full list):
+
+* threads: the native threads never call Python; every blocking call here releases the GIL;
+* lifetimes: a source address handed to :meth:`add_entry` must stay valid until the job is
+  captured; :meth:`cache_view` is invalid after :meth:`close`;
+* failures: the first error of a job is latched; :meth:`wait_captured` / :meth:`wait_done` raise it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from . import _core
+from .config import WriterConfig
+from .errors import CheckpointSaveError
+
+logger = logging.getLogger(__name__)
+
+#: Offset that turns the engine's steady-clock seconds into ``time.perf_counter()`` seconds.
+_CLOCK_OFFSET = time.perf_counter() - time.monotonic()
+
+
+def engine_time_to_perf(t: float) -> float:
+    """Converts an engine timestamp (CLOCK_MONOTONIC seconds) to ``time.perf_counter()`` time."""
+    return t + _CLOCK_OFFSET if t >= 0 else t
+
+
+@contextlib.contextmanager
+def translate_errors(context: str) -> Iterator[None]:
+    """Re-raises engine errors as CheckpointSaveError prefixed with ``context``."""
+    try:
+        yield
+    except _core.EngineError as e:
+        raise CheckpointSaveError(f"{context}: {e}") from None
+
+
+def loaded_cuda_runtime() -> str:
+    """Path of the libcudart mapped into this process (loaded by torch), or '' if none is."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    return ""
+
+
+class Engine:
+    """One native engine: a host cache of ``config.cache_bytes`` and its worker threads."""
+
+    def __init__(self, config: WriterConfig) -> None:
+        self.config = config
+        try:
+            self._core = _core.Engine(
+                cache_bytes=config.cache_bytes,
+                chunk_bytes=config.chunk_bytes,
+                copy_threads=config.copy_threads,
+                flush_threads=config.flush_threads,
+                o_direct=config.o_direct,
+                prefault=config.prefault,
+                checksums=config.checksums,
+                durable=config.durable,
+                flush_nice=config.flush_nice,
+            )
+        except _core.EngineError as e:
+            raise CheckpointSaveError(f"cannot create the host cache engine: {e}") from None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return bool(self._core.closed)
+
+    def close(self) -> None:
+        """Aborts unfinished jobs, joins the threads and frees the host cache. Idempotent."""
+        self._core.close()
+
+    def enable_cuda(self) -> None:
+        """Loads the CUDA runtime torch loaded and pins the host cache (once)."""
+        if self._core.cuda_enabled:
+            return
+        with translate_errors("cannot enable CUDA copies"):
+            self._core.enable_cuda(loaded_cuda_runtime())
+
+    # -- pass-through, typed -----------------------------------------------------------------
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self._core.chunk_bytes)
+
+    def cache_view(self) -> memoryview:
+        return self._core.cache_view()
+
+    def create_job(self, label: str) -> int:
+        return int(self._core.create_job(label))
+
+    def add_entry(
+        self, job: int, name: str, src: int, nbytes: int, device: int = -1, ready_event: int = 0
+    ) -> int:
+        with translate_errors(f"cannot register '{name}'"):
+            return int(self._core.add_entry(job, name, src, nbytes, device, ready_event))
+
+    def start_copies(self, job: int) -> None:
+        with translate_errors("cannot start copies"):
+            self._core.start_copies(job)
+
+    def open_file(self, job: int, path: str) -> int:
+        with translate_errors("cannot open a data file"):
+            return int(self._core.open_file(job, path))
+
+    def place(
+        self, job: int, entry: int, file: int, payload_offset: int, header: bytes, trailer: bytes
+    ) -> None:
+        with translate_errors("cannot place an entry"):
+            self._core.place(job, entry, file, payload_offset, header, trailer)
+
+    def place_external(self, job: int, entry: int) -> None:
+        with translate_errors("cannot place an entry"):
+            self._core.place_external(job, entry)
+
+    def skip(self, job: int, entry: int) -> None:
+        self._core.skip(job, entry)
+
+    def write_bytes(self, job: int, file: int, offset: int, data: bytes) -> None:
+        with translate_errors("cannot queue a write"):
+            self._core.write_bytes(job, file, offset, data)
+
+    def seal(self, job: int) -> None:
+        with translate_errors("cannot seal the save"):
+            self._core.seal(job)
+
+    def chunk_count(self, job: int, entry: int) -> int:
+        return int(self._core.chunk_count(job, entry))
+
+    def wait_chunk(self, job: int, entry: int, chunk: int) -> tuple[int, int]:
+        with translate_errors("save failed"):
+            off, n = self._core.wait_chunk(job, entry, chunk)
+        return int(off), int(n)
+
+    def release_chunk(self, job: int, entry: int, chunk: int) -> None:
+        self._core.release_chunk(job, entry, chunk)
+
+    def wait_captured(self, job: int, timeout_s: float | None = None) -> bool:
+        """True once captured, False on timeout; raises the job's error (GIL released)."""
+        with translate_errors("save failed"):
+            return bool(self._core.wait_captured(job, -1.0 if timeout_s is None else timeout_s))
+
+    def wait_done(self, job: int, timeout_s: float | None = None) -> bool:
+        with translate_errors("save failed"):
+            return bool(self._core.wait_done(job, -1.0 if timeout_s is None else timeout_s))
+
+    def is_captured(self, job: int) -> bool:
+        return bool(self._core.is_captured(job))
+
+    def is_done(self, job: int) -> bool:
+        return bool(self._core.is_done(job))
+
+    def abort(self, job: int, reason: str) -> None:
+        self._core.abort(job, reason)
+
+    def forget(self, job: int) -> None:
+        self._core.forget(job)
+
+    def chunk_records(self, job: int) -> list[tuple[int, int, int, int, int, int, int]]:
+        return list(self._core.chunk_records(job))
+
+    def stats(self, job: int) -> dict[str, Any]:
+        return dict(self._core.stats(job))
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._core.counters())
+
+    # -- test hooks ------------------------------------------------------------------------
+    def pause_copies(self, paused: bool) -> None:
+        self._core.pause_copies(paused)
+
+    def set_delays(self, copy_delay_us_max: int, flush_delay_us_max: int, seed: int = 0) -> None:
+        self._core.set_delays(copy_delay_us_max, flush_delay_us_max, seed)

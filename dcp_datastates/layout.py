@@ -1,0 +1,123 @@
+"""On-disk layout: torch.save archive templates and the placement of items in data files.
+
+Why this works with the stock readers (see docs/format.md): DCP's FileSystemReader reads each
+tensor chunk as ``torch.load(file[offset:offset+length])``. A ``torch.save`` archive of a
+contiguous CPU tensor is a zip whose bytes are ``prefix + payload + suffix``, where prefix and
+suffix depend only on dtype and shape. So the writer builds the template once per (dtype, shape)
+with ``torch.serialization.skip_data()`` (nothing is copied), and the engine writes the payload
+straight from the host cache between the prefix and suffix bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass, field
+
+import torch
+from torch.serialization import skip_data
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+_LOCAL_HEADER_SIG = 0x04034B50
+
+
+@dataclass(frozen=True)
+class ArchiveTemplate:
+    """The bytes around a tensor payload inside its torch.save archive."""
+
+    prefix: bytes
+    suffix: bytes
+    payload_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.prefix) + self.payload_bytes + len(self.suffix)
+
+
+def build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveTemplate:
+    """Builds the archive template of a contiguous CPU tensor of ``dtype`` and ``shape``."""
+    proto = torch.empty(shape, dtype=dtype)  # never touched: no pages are faulted in
+    buf = io.BytesIO()
+    with skip_data():
+        torch.save(proto, buf)
+    raw = buf.getvalue()
+    nbytes = proto.numel() * proto.element_size()
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        records = [i for i in z.infolist() if i.filename.endswith("/data/0")]
+        if len(records) != 1:
+            raise RuntimeError(f"unexpected torch.save archive layout: {z.namelist()}")
+        info = records[0]
+    fields = _LOCAL_HEADER.unpack_from(raw, info.header_offset)
+    if fields[0] != _LOCAL_HEADER_SIG or info.compress_type != zipfile.ZIP_STORED:
+        raise RuntimeError("unexpected torch.save archive: payload record not stored plainly")
+    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if info.file_size != nbytes:
+        raise RuntimeError(f"payload record holds {info.file_size} bytes, expected {nbytes}")
+    return ArchiveTemplate(raw[:start], raw[start + nbytes :], nbytes)
+
+
+class TemplateCache:
+    """Thread-safe memo of :func:`build_template` keyed by (dtype, shape)."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[torch.dtype, tuple[int, ...]], ArchiveTemplate] = {}
+        self._max = max_entries
+
+    def get(self, dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveTemplate:
+        key = (dtype, tuple(int(s) for s in shape))
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        t = build_template(*key)
+        with self._lock:
+            if len(self._cache) >= self._max:
+                self._cache.clear()
+            self._cache[key] = t
+        return t
+
+
+def data_file_name(rank: int, index: int) -> str:
+    """Name of a rank's data file (the DCP convention, so tools recognise it)."""
+    return f"__{rank}_{index}.distcp"
+
+
+@dataclass
+class FileLayout:
+    """Assigns items of one rank to ``nfiles`` files and computes their offsets.
+
+    Tensor items are padded so that their payload starts at a multiple of ``payload_align``
+    (4096 when O_DIRECT is used). Items go to the least loaded file, in the order they are given
+    (callers give them in copy order, so each file is written roughly front to back).
+    """
+
+    nfiles: int
+    payload_align: int = 64
+    sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sizes = [0] * self.nfiles
+
+    def _pick(self) -> int:
+        return min(range(self.nfiles), key=lambda i: self.sizes[i])
+
+    def place_tensor(self, template: ArchiveTemplate) -> tuple[int, int, int]:
+        """Returns (file index, archive offset, payload offset)."""
+        f = self._pick()
+        start = self.sizes[f]
+        payload = start + len(template.prefix)
+        pad = (-payload) % self.payload_align
+        start += pad
+        payload += pad
+        self.sizes[f] = payload + template.payload_bytes + len(template.suffix)
+        return f, start, payload
+
+    def place_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Returns (file index, offset) of a raw byte item."""
+        f = self._pick()
+        off = self.sizes[f]
+        self.sizes[f] += nbytes
+        return f, off

@@ -1,0 +1,47 @@
+"""Per-save telemetry of a DataStatesWriter."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class SaveStats:
+    """What one save cost and when its stages ended.
+
+    Durations are seconds; ``t_*`` are ``time.perf_counter()`` timestamps (NaN until reached).
+
+    Attributes:
+        checkpoint_id: where the save went.
+        rank: the rank that recorded these figures.
+        bytes: tensor bytes this rank captured.
+        stage_s: time spent inside ``stage()`` (the part of ``async_save`` that is ours).
+        blocked_s: time the training thread was blocked by this save: ``stage_s`` plus the time
+            barriers (``wait_captured``, the optimizer step hook) waited for its copies.
+        captured_before_barrier: whether the copies had all landed when the first barrier came
+            (None when no barrier ran before the save finished).
+        captured_s / done_s: from the save call until the copies landed / until the save was
+            durable on this rank.
+        flush_gbps: bytes / (t_done - t_stage) in GB/s.
+        error: the failure message, or None.
+    """
+
+    checkpoint_id: str
+    rank: int
+    bytes: int
+    stage_s: float
+    blocked_s: float
+    captured_before_barrier: bool | None
+    captured_s: float
+    done_s: float
+    t_stage: float
+    t_captured: float
+    t_done: float
+    flush_gbps: float
+    copy_busy_s: float
+    flush_busy_s: float
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,775 @@
+"""DataStatesWriter: the DCP StorageWriter (and AsyncStager) on the native host-cache engine.
+
+Call order, per save, as torch.distributed.checkpoint drives it (who calls what on which rank):
+
+==========================  ==============  ==================================================
+call                        thread / ranks  what happens here
+==========================  ==============  ==================================================
+``stage(state_dict)``       caller, all     (async_save only) tensors registered with a new
+                                            engine job, copies start; returns at once
+``reset(checkpoint_id)``    save thread     a new per-thread save context for that path
+``storage_meta()``          save thread     checkpoint id and a fresh save id
+``set_up_storage_writer``   save thread     rank and coordinator role recorded; dir created
+``prepare_local_plan``      all             unchanged
+``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed;
+                                            in-progress marker written
+``write_data(plan, pl.)``   all             the job is found (by staged-object identity) or
+                                            created (dcp.save); items placed in files; the
+                                            engine flushes as copies land; waits until durable;
+                                            writes this rank's manifest
+``finish(metadata, res.)``  coordinator     ``.metadata`` written atomically: the commit
+==========================  ==============  ==================================================
+
+``dcp.async_save`` runs everything after ``stage`` in a background thread; ``stage`` returns the
+staged dict (not a future), so planning and flushing start while copies are still running. This is
+what lets a host cache smaller than one checkpoint work: flushes free space for later copies.
+
+The barrier: ``protect(optimizer)`` installs a step pre-hook calling :meth:`wait_captured`, which
+blocks until every save in flight is in the host cache (and verifies that no lazily captured
+tensor was modified meanwhile). ``should_synchronize_after_execute`` is False: async_save does not
+wait for anything.
+
+Threads: stage/protect/wait_captured run in the training thread; the DCP protocol calls run in
+whatever thread runs the save (one per async_save); several saves may be in flight on one writer
+(their protocol state lives in a thread-local context). Native copy/flush threads never call Python.
+Failures: a failed save raises CheckpointSaveError from write_data (hence on the save's future as
+DCP's CheckpointException) and once more at the next barrier or save; nothing is committed for it
+and its cache space is returned.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _core
+from .capture import CapturedTensor, SaveJob, Stager, protected_storages, raise_if_modified
+from .commit import CheckpointDir, claim_path, manifest_name, release_path
+from .config import CaptureMode, WriterConfig, parse_size
+from .engine import Engine, engine_time_to_perf
+from .errors import CheckpointSaveError
+from .fsspec_sink import SinkItem, write_sequential
+from .layout import FileLayout, TemplateCache, data_file_name
+from .manifest import ItemRecord, RankManifest
+from .stats import SaveStats
+
+logger = logging.getLogger(__name__)
+
+try:
+    from torch.distributed.checkpoint.metadata import CURRENT_DCP_VERSION
+except ImportError:  # pragma: no cover
+    CURRENT_DCP_VERSION = "1.0.0"
+
+
+@dataclass
+class _Context:
+    """Protocol state of one save in one thread (DCP drives a save from a single thread)."""
+
+    path: str
+    rank: int = 0
+    coordinator: bool = True
+    use_collectives: bool = True
+    save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    claimed: SaveJob | None = None  # the staged job this save thread is presumed to carry
+    path_key: str | None = None  # set while this context holds the path claim
+    finished: bool = False
+
+
+class _ContextHolder:
+    """Lives in thread-local storage; its finalizer ends the context when the thread exits."""
+
+    def __init__(self, ctx: _Context) -> None:
+        self.ctx = ctx
+
+
+class ProtectHandle:
+    """Returned by :meth:`DataStatesWriter.protect`; ``remove()`` undoes it."""
+
+    def __init__(self, writer: DataStatesWriter, optimizer: torch.optim.Optimizer) -> None:
+        self._writer = weakref.ref(writer)
+        self._opt = weakref.ref(optimizer)
+        self._hook = optimizer.register_step_pre_hook(self._pre_step)
+
+    def _pre_step(self, *_: Any) -> None:
+        w = self._writer()
+        if w is not None and not w.closed:
+            w.wait_captured()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._opt()
+
+    def remove(self) -> None:
+        self._hook.remove()
+        w = self._writer()
+        if w is not None:
+            w._unprotect(self)
+
+
+class DataStatesWriter(StorageWriter):
+    """A DCP StorageWriter that snapshots state into a host cache and flushes it in the background.
+
+    Create it once and reuse it for every save (the host cache is allocated once)::
+
+        writer = DataStatesWriter("ckpt", host_cache_size=16)   # GiB
+        writer.protect(optimizer)                                # step waits for captures
+        dcp.async_save(state, storage_writer=writer, checkpoint_id=f"ckpt/step-{step}")
+        ...
+        dcp.load(state, checkpoint_id=f"ckpt/step-{step}")      # stock reader
+
+    Args:
+        path: default checkpoint directory (or fsspec URL) when a save passes no checkpoint_id.
+        host_cache_size: GiB as a number (DataStates' ``host_cache_size``), or a string with units
+            ("512MiB"). Checkpoints larger than the cache stream through it.
+        chunk_size: largest single copy/write (default "64MiB").
+        copy_threads, flush_threads: native worker threads.
+        files_per_rank: data files per rank (default: flush_threads); 1 for non-local URLs.
+        o_direct: write payloads with O_DIRECT where the file system allows it.
+        capture: "auto" (default), "lazy" or "eager"; see docs/configuration.md.
+        checksums: CRC-32C per chunk, recorded in the manifest (see ``verify_checkpoint``).
+        durable: fdatasync data files and fsync directories before the commit.
+        prefault: touch the cache's pages up front (avoids page faults during copies).
+        flush_nice: niceness added to flush threads, so copies win the CPU.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "",
+        host_cache_size: int | float | str = 4,
+        *,
+        chunk_size: int | str = "64MiB",
+        copy_threads: int = 2,
+        flush_threads: int = 2,
+        files_per_rank: int | None = None,
+        o_direct: bool = False,
+        capture: CaptureMode = "auto",
+        checksums: bool = True,
+        durable: bool = True,
+        prefault: bool = True,
+        flush_nice: int = 5,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.config = WriterConfig(
+            cache_bytes=parse_size(host_cache_size, what="host_cache_size"),
+            chunk_bytes=parse_size(chunk_size, default_unit=1, what="chunk_size"),
+            copy_threads=copy_threads,
+            flush_threads=flush_threads,
+            files_per_rank=files_per_rank if files_per_rank is not None else flush_threads,
+            o_direct=o_direct,
+            capture=capture,
+            checksums=checksums,
+            durable=durable,
+            prefault=prefault,
+            flush_nice=flush_nice,
+        )
+        self._engine = Engine(self.config)
+        self._stager = Stager(self._engine, self.config.capture)
+        self._templates = TemplateCache()
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._jobs: list[SaveJob] = []  # staged or running jobs, oldest first
+        self._by_staged: dict[int, SaveJob] = {}
+        self._protects: list[ProtectHandle] = []
+        self._unreported: collections.deque[SaveJob] = collections.deque()
+        self._stats: collections.deque[SaveStats] = collections.deque(maxlen=1000)
+        self._tls = threading.local()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------
+    # Public API beyond DCP
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def protect(self, optimizer: torch.optim.Optimizer) -> ProtectHandle:
+        """Makes ``optimizer.step()`` wait until every save in flight is in the host cache.
+
+        Also tells ``capture="auto"`` that the optimizer's parameters and state change only in
+        ``step()``, so they are captured lazily (no copy on the save call). Returns a handle whose
+        ``remove()`` undoes both.
+        """
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer)!r}")
+        handle = ProtectHandle(self, optimizer)
+        with self._lock:
+            self._protects.append(handle)
+        return handle
+
+    def _unprotect(self, handle: ProtectHandle) -> None:
+        with self._lock:
+            if handle in self._protects:
+                self._protects.remove(handle)
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        """The barrier: blocks until every save in flight has all its tensors in the host cache.
+
+        Verifies that no lazily captured tensor was modified in place meanwhile; raises
+        CaptureError (that save fails, nothing torn is written) or the CheckpointSaveError of a
+        save that failed since the last barrier. Returns False if ``timeout`` (seconds) expired.
+        Safe to call at any time, from the training thread; releases the GIL while waiting.
+        """
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self._lock:
+            jobs = [j for j in self._jobs if not j.verified]
+        for job in jobs:
+            remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not self._barrier_one(job, remaining):
+                return False
+        self._raise_unreported()
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until every save in flight is durable (or failed). False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def save_stats(self) -> list[dict[str, Any]]:
+        """Telemetry of the recent saves on this rank (oldest first), as dicts (see SaveStats)."""
+        with self._lock:
+            return [s.as_dict() for s in self._stats]
+
+    def engine_counters(self) -> dict[str, int]:
+        """Host cache use, live jobs, open files and queue lengths (for monitoring and tests)."""
+        return self._engine.counters()
+
+    @property
+    def engine(self) -> Engine:
+        """The native engine (test hooks: pause_copies, set_delays)."""
+        return self._engine
+
+    def close(self) -> None:
+        """Waits for saves in flight, then stops the engine and frees the host cache."""
+        if self._closed:
+            return
+        self.wait()
+        with self._lock:
+            for h in list(self._protects):
+                h._hook.remove()
+            self._protects.clear()
+            self._closed = True
+        self._engine.close()
+
+    def __enter__(self) -> DataStatesWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "DataStatesWriter cannot be pickled: its host cache and native threads live in this "
+            "process. Use dcp.async_save with the default thread executor, not "
+            "AsyncCheckpointerType.PROCESS."
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # AsyncStager protocol
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Registers the state with a new save job and starts the copies; returns at once.
+
+        Returns the staged dict that dcp.async_save hands to its background save.
+        """
+        self._check_open()
+        self._raise_unreported()
+        protected: set[int] = set()
+        if self.config.capture == "auto":
+            with self._lock:
+                opts = [o for o in (h.optimizer for h in self._protects) if o is not None]
+            protected = protected_storages(opts)
+        staged, job = self._stager.stage(state_dict, protected)
+        with self._lock:
+            if job.tensors:
+                self._jobs.append(job)
+                for key in job.by_staged_id:
+                    self._by_staged[key] = job
+            else:
+                self._engine.forget(job.engine_job)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Same as :meth:`wait_captured` (for code written against the AsyncStager protocol)."""
+        self.wait_captured()
+
+    # ------------------------------------------------------------------------------------------
+    # StorageWriter protocol
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._begin_context(os.fspath(checkpoint_id) if checkpoint_id is not None else self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            CheckpointDir(os.fspath(checkpoint_id))
+        except Exception:
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        ctx = self._context()
+        return StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._check_open()
+        ctx = self._context()
+        ctx.coordinator = is_coordinator
+        ctx.rank = int(kwargs.get("rank", args[0] if args else 0) or 0)
+        ctx.use_collectives = bool(kwargs.get("use_collectives", True))
+        if not ctx.path:
+            raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        ctx = self._context()
+        self._claim_and_prepare(ctx)
+        return plans
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        ctx = self._context()
+        if not ctx.use_collectives and ctx.path_key is None:
+            self._claim_and_prepare(ctx)  # no global plan step: every rank prepares its own
+        job = self._bind_job(ctx, plan, planner)
+        try:
+            results = self._write(ctx, job, plan, planner)
+        except BaseException as e:
+            err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
+                f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+            )
+            self._fail_job(job, err)
+            if err is e:
+                raise
+            raise err from e
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        ctx = self._context()
+        try:
+            metadata.version = CURRENT_DCP_VERSION
+            storage_md = {}
+            for wr_list in results:
+                storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+            metadata.storage_data = storage_md
+            metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
+            CheckpointDir(ctx.path).commit(metadata, self.config.durable)
+        finally:
+            ctx.finished = True
+            self._release_claim(ctx)
+
+    # ------------------------------------------------------------------------------------------
+    # Save contexts (one per save, per thread)
+    def _begin_context(self, path: str) -> _Context:
+        old = getattr(self._tls, "holder", None)
+        if old is not None:
+            self._end_context(old.ctx)
+        ctx = _Context(path=path)
+        with self._lock:
+            for j in self._jobs:
+                if j.claimed_by is None and not j.bound and not j.adhoc:
+                    j.claimed_by = ctx
+                    ctx.claimed = j
+                    break
+        holder = _ContextHolder(ctx)
+        weakref.finalize(holder, self._end_context, ctx)
+        self._tls.holder = holder
+        return ctx
+
+    def _context(self) -> _Context:
+        holder = getattr(self._tls, "holder", None)
+        if holder is None or holder.ctx.finished:
+            return self._begin_context(self.path)
+        return holder.ctx
+
+    def _end_context(self, ctx: _Context) -> None:
+        """Runs when a save context is replaced or its thread exits: undoes what it left open."""
+        self._release_claim(ctx)
+        job = ctx.claimed
+        if job is not None and not job.bound and job.claimed_by is ctx:
+            # This thread's save ended before its data was written (planning failed here or on
+            # another rank): the staged job will never be written. Free its cache space.
+            self._fail_job(
+                job,
+                CheckpointSaveError(
+                    f"save to {ctx.path} failed on rank {ctx.rank} before its data was written"
+                ),
+            )
+        ctx.finished = True
+
+    def _claim_and_prepare(self, ctx: _Context) -> None:
+        d = CheckpointDir(ctx.path)
+        key = d.url if not d.local else os.path.realpath(d.path)
+        claim_path(key)
+        ctx.path_key = key
+        try:
+            d.prepare(self.config.durable)
+        except BaseException:
+            self._release_claim(ctx)
+            raise
+
+    def _release_claim(self, ctx: _Context) -> None:
+        if ctx.path_key is not None:
+            release_path(ctx.path_key)
+            ctx.path_key = None
+
+    # ------------------------------------------------------------------------------------------
+    # Binding a DCP plan to a save job
+    def _bind_job(self, ctx: _Context, plan: SavePlan, planner: SavePlanner) -> SaveJob:
+        staged_sd = getattr(planner, "state_dict", None)
+        job: SaveJob | None = None
+        with self._lock:
+            if isinstance(staged_sd, dict):
+                for item in plan.items:
+                    if item.type == WriteItemType.BYTE_IO:
+                        continue
+                    job = self._by_staged.get(id(staged_sd.get(item.index.fqn)))
+                    if job is not None:
+                        break
+            if job is not None and job.bound:
+                raise CheckpointSaveError(f"save to {ctx.path}: the staged state was written twice")
+            mine = ctx.claimed
+            if job is None:
+                if mine is not None and mine.claimed_by is ctx:
+                    mine.claimed_by = None  # a synchronous save: give the claim back
+                ctx.claimed = None
+            elif job.claimed_by is not ctx:
+                other = job.claimed_by
+                if other is not None:
+                    other.claimed = mine if mine is not None and mine.claimed_by is ctx else None
+                    if other.claimed is not None:
+                        other.claimed.claimed_by = other
+                elif mine is not None and mine.claimed_by is ctx:
+                    mine.claimed_by = None
+                job.claimed_by = ctx
+                ctx.claimed = job
+            if job is not None:
+                job.bound = True
+        if job is None:
+            job = SaveJob(engine_job=self._engine.create_job("sync-save"), seq=0, adhoc=True)
+            job.t_stage = time.perf_counter()
+            job.bound = True
+            with self._lock:
+                self._jobs.append(job)
+        job.checkpoint_id = ctx.path
+        job.rank = ctx.rank
+        return job
+
+    def _write(
+        self, ctx: _Context, job: SaveJob, plan: SavePlan, planner: SavePlanner
+    ) -> list[WriteResult]:
+        d = CheckpointDir(ctx.path)
+        d.ensure_exists()
+        eng = self._engine
+        nfiles = self.config.files_per_rank if d.local else 1
+        layout = FileLayout(nfiles, 4096 if self.config.o_direct else 64)
+        staged_sd = getattr(planner, "state_dict", None)
+        file_ids: dict[int, int] = {}
+        sink: dict[int, list[SinkItem]] = collections.defaultdict(list)
+        placed: list[tuple[WriteItem, CapturedTensor | None, int, int, int, bytes]] = []
+        results: list[WriteResult] = []
+        bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
+        added_late = False
+
+        def fid(f: int) -> int:
+            if f not in file_ids:
+                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(ctx.rank, f)))
+            return file_ids[f]
+
+        # Tensor items in copy order (entry order), bytes items after them.
+        def order(item: WriteItem) -> tuple[int, int]:
+            if item.type == WriteItemType.BYTE_IO:
+                return (1, 0)
+            cap = self._lookup(job, staged_sd, item)
+            return (0, cap.entry if cap is not None else 1 << 40)
+
+        for item in sorted(plan.items, key=order):
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+                f, off = layout.place_bytes(len(raw))
+                if d.local:
+                    eng.write_bytes(job.engine_job, fid(f), off, raw)
+                else:
+                    sink[f].append(SinkItem(offset=off, data=raw))
+                bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
+                results.append(_result(item, data_file_name(ctx.rank, f), off, len(raw)))
+                continue
+            cap = self._lookup(job, staged_sd, item)
+            if cap is None:
+                cap = self._capture_late(job, item, planner)
+                added_late = True
+            chunk_sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
+            if chunk_sizes != cap.shape:
+                raise CheckpointSaveError(
+                    f"save to {ctx.path}: '{item.index.fqn}' planned with shape {chunk_sizes} but "
+                    f"captured with shape {cap.shape}"
+                )
+            tmpl = self._templates.get(cap.dtype, cap.shape)
+            f, start, payload = layout.place_tensor(tmpl)
+            if d.local:
+                eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
+            else:
+                eng.place_external(job.engine_job, cap.entry)
+                sink[f].append(
+                    SinkItem(
+                        offset=start,
+                        entry=cap.entry,
+                        prefix=tmpl.prefix,
+                        suffix=tmpl.suffix,
+                        payload_offset=payload,
+                    )
+                )
+            placed.append((item, cap, f, start, payload, b""))
+            results.append(_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes))
+        if added_late:
+            eng.start_copies(job.engine_job)
+        eng.seal(job.engine_job)
+
+        ext_records: list[tuple[int, int, int, int, int, int]] = []
+        for f, items in sink.items():
+            for e, c, off, n, crc in write_sequential(
+                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items
+            ):
+                ext_records.append((e, c, f, off, n, crc))
+
+        # Capture: all copies landed; then the exactness check (unless a barrier did it).
+        eng.wait_captured(job.engine_job)
+        with job.lock:
+            if not job.verified:
+                raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
+                job.verified = True
+            job.release_sources()
+        eng.wait_done(job.engine_job)
+
+        manifest = self._manifest(ctx, job, placed, bytes_crcs, ext_records)
+        d.write_atomic(manifest_name(ctx.rank), manifest.to_json().encode(), self.config.durable)
+        self._finish_job(job, ctx)
+        return results
+
+    def _lookup(
+        self, job: SaveJob, staged_sd: Any, item: WriteItem
+    ) -> CapturedTensor | None:
+        if not isinstance(staged_sd, dict):
+            return job.by_staged_id.get(id(item))
+        obj = staged_sd.get(item.index.fqn)
+        cap = job.lookup(obj) if obj is not None else None
+        if cap is None:
+            cap = job.by_staged_id.get(id(item))  # captured late, keyed by the item
+        return cap
+
+    def _capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:
+        """Captures an item the staged state does not know (dcp.save, or custom planners)."""
+        if not job.adhoc:
+            logger.warning(
+                "'%s' was not captured at save time (custom planner?); it is copied now, when "
+                "its data is written",
+                item.index.fqn,
+            )
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(data)!r}")
+        cap = self._stager.stage_tensor(job, item.index.fqn, data)
+        job.by_staged_id.pop(id(cap.staged), None)
+        job.by_staged_id[id(item)] = cap
+        cap.staged = item
+        return cap
+
+    def _manifest(
+        self,
+        ctx: _Context,
+        job: SaveJob,
+        placed: list[tuple[WriteItem, CapturedTensor | None, int, int, int, bytes]],
+        bytes_crcs: list[tuple[WriteItem, int, int, int, int]],
+        ext_records: list[tuple[int, int, int, int, int, int]],
+    ) -> RankManifest:
+        by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        for e, _c, _file, off, _entry_off, n, crc in self._engine.chunk_records(job.engine_job):
+            by_entry[e].append((off, n, crc))  # the file is implied by the item's placement
+        for e, _c, _f, off, n, crc in ext_records:
+            by_entry[e].append((off, n, crc))
+        items: list[ItemRecord] = []
+        for item, cap, f, start, payload, _ in placed:
+            assert cap is not None
+            tmpl = self._templates.get(cap.dtype, cap.shape)
+            items.append(
+                ItemRecord(
+                    fqn=item.index.fqn,
+                    offset=list(item.index.offset) if item.index.offset is not None else None,
+                    file=data_file_name(ctx.rank, f),
+                    archive_offset=start,
+                    archive_length=tmpl.total_bytes,
+                    payload_offset=payload,
+                    payload_bytes=cap.nbytes,
+                    dtype=str(cap.dtype).replace("torch.", ""),
+                    shape=list(cap.shape),
+                    chunks=sorted(by_entry.get(cap.entry, [])),
+                )
+            )
+        for item, f, off, n, crc in bytes_crcs:
+            items.append(
+                ItemRecord(
+                    fqn=item.index.fqn,
+                    offset=None,
+                    file=data_file_name(ctx.rank, f),
+                    archive_offset=off,
+                    archive_length=n,
+                    payload_offset=off,
+                    payload_bytes=n,
+                    dtype="bytes",
+                    shape=[],
+                    chunks=[(off, n, crc)],
+                )
+            )
+        return RankManifest(
+            rank=ctx.rank,
+            checksums=self.config.checksums,
+            save_id=ctx.save_id,
+            items=items,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Job completion, failure, barrier
+    def _finish_job(self, job: SaveJob, ctx: _Context) -> None:
+        st = self._engine.stats(job.engine_job)
+        with job.lock:
+            job.finished = True
+            self._engine.forget(job.engine_job)
+        self._record_stats(job, ctx.rank, st)
+        self._drop_job(job)
+
+    def _fail_job(self, job: SaveJob, err: CheckpointSaveError) -> None:
+        # Abort first, without job.lock: a barrier may hold it while waiting for this job.
+        if not job.finished:
+            self._engine.abort(job.engine_job, str(err))
+        with job.lock:
+            if job.finished:
+                return
+            job.error = err
+            self._engine.abort(job.engine_job, str(err))
+            st = self._engine.stats(job.engine_job)
+            self._engine.forget(job.engine_job)  # waits until no native thread holds its chunks
+            job.finished = True
+            job.release_sources()
+        self._record_stats(job, job.rank, st)
+        with self._lock:
+            if not job.error_reported:
+                self._unreported.append(job)
+        self._drop_job(job)
+
+    def _drop_job(self, job: SaveJob) -> None:
+        with self._idle:
+            if job in self._jobs:
+                self._jobs.remove(job)
+            for key in list(job.by_staged_id):
+                if self._by_staged.get(key) is job:
+                    del self._by_staged[key]
+            self._idle.notify_all()
+
+    def _barrier_one(self, job: SaveJob, timeout: float | None) -> bool:
+        t0 = time.perf_counter()
+        try:
+            with job.lock:
+                if job.finished or job.verified:
+                    return True
+                was_captured = self._engine.is_captured(job.engine_job)
+                if not self._engine.wait_captured(job.engine_job, timeout):
+                    job.blocked_s += time.perf_counter() - t0
+                    return False
+                if job.captured_before_barrier is None:
+                    job.captured_before_barrier = was_captured
+                raise_if_modified(job, job.checkpoint_id or self.path or "<checkpoint>")
+                job.verified = True
+                job.release_sources()
+        except CheckpointSaveError as e:
+            self._fail_job(job, e)
+            job.error_reported = True
+            with self._lock:
+                if job in self._unreported:
+                    self._unreported.remove(job)
+            raise
+        finally:
+            job.blocked_s += time.perf_counter() - t0
+        return True
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            if not self._unreported:
+                return
+            job = self._unreported.popleft()
+            job.error_reported = True
+        assert job.error is not None
+        raise job.error
+
+    def _record_stats(self, job: SaveJob, rank: int, st: dict[str, Any]) -> None:
+        t_cap = engine_time_to_perf(st["captured_s"]) if st["captured_s"] >= 0 else math.nan
+        t_done = engine_time_to_perf(st["done_s"]) if st["done_s"] >= 0 else math.nan
+        dur = t_done - job.t_stage
+        s = SaveStats(
+            checkpoint_id=job.checkpoint_id or "",
+            rank=rank,
+            bytes=int(st["bytes_total"]),
+            stage_s=job.stage_s,
+            blocked_s=job.stage_s + job.blocked_s,
+            captured_before_barrier=job.captured_before_barrier,
+            captured_s=t_cap - job.t_stage,
+            done_s=dur,
+            t_stage=job.t_stage,
+            t_captured=t_cap,
+            t_done=t_done,
+            flush_gbps=(st["bytes_written"] / dur / 1e9) if dur > 0 else math.nan,
+            copy_busy_s=float(st["copy_busy_s"]),
+            flush_busy_s=float(st["flush_busy_s"]),
+            error=str(job.error) if job.error is not None else None,
+        )
+        with self._lock:
+            self._stats.append(s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DataStatesWriter is closed")
+
+
+def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=_StorageInfo(relative_path=relative_path, offset=offset, length=length),
+    )
+
+
+__all__ = ["DataStatesWriter", "ProtectHandle"]
