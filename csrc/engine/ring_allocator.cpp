@@ -74,8 +74,10 @@ std::optional<std::size_t> RingAllocator::allocate_with_ticket(
   if (!(align > 0 && (align & (align - 1)) == 0) || bytes > capacity_) {
     leave();
     lock.unlock();
-    DCPDS_CHECK(false, "invalid host cache request of " + std::to_string(bytes) +
-                           " bytes (capacity " + std::to_string(capacity_) + ")");
+    DCPDS_CHECK(bytes <= capacity_, "allocation of " + std::to_string(bytes) +
+                                        " bytes exceeds the host cache capacity of " +
+                                        std::to_string(capacity_) + " bytes");
+    DCPDS_CHECK(false, "alignment must be a power of two");
   }
   for (;;) {
     if (shutdown_ || (cancelled && cancelled())) {

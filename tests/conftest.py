@@ -1,0 +1,65 @@
+"""Shared fixtures: small writers, state dicts, and a comparison helper."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dcp_datastates import DataStatesWriter  # noqa: E402
+
+
+def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
+    """Bit-exact comparison of nested state (tensors compared as raw bytes, NaNs included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, (path, a.dtype, b.dtype, a.shape, b.shape)
+        ac = a.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        bc = b.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        if ac.is_complex():
+            ac, bc = torch.view_as_real(ac), torch.view_as_real(bc)
+        assert torch.equal(ac.view(torch.uint8), bc.view(torch.uint8)), f"{path} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            assert_state_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_state_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def zeros_like_state(sd: Any) -> Any:
+    """A destination for dcp.load with the same structure, tensors zeroed."""
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd.detach().contiguous())
+    if isinstance(sd, dict):
+        return {k: zeros_like_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like_state(v) for v in sd]
+    return sd
+
+
+@pytest.fixture
+def writer_factory(tmp_path: Any) -> Iterator[Any]:
+    made: list[DataStatesWriter] = []
+
+    def make(**kw: Any) -> DataStatesWriter:
+        kw.setdefault("host_cache_size", "8MiB")
+        kw.setdefault("chunk_size", "1MiB")
+        kw.setdefault("prefault", False)
+        w = DataStatesWriter(str(tmp_path / "default"), **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
