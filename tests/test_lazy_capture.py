@@ -1,0 +1,220 @@
+"""Lazy capture: async_save returns before copies finish; optimizer.step waits; snapshots exact."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, zeros_like_state
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from dcp_datastates import CaptureError, CheckpointSaveError, DataStatesWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.bn = torch.nn.BatchNorm1d(64)
+        self.fc2 = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def make_training(seed: int = 0) -> tuple[Net, torch.optim.Optimizer, torch.Generator]:
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.Generator().manual_seed(seed)
+
+
+def train_step(model: Net, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    x = torch.randn(16, 32, generator=gen)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def state_of(model: Net, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def test_async_save_returns_while_copies_are_held(tmp_path: Any, writer_factory: Any) -> None:
+    w: DataStatesWriter = writer_factory(capture="lazy")
+    sd = {"t": torch.randn(100_000)}
+    ref = copy.deepcopy(sd)
+    w.engine.pause_copies(True)
+    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    assert not fut.done()  # nothing could be copied, yet the call returned
+    assert w.wait_captured(timeout=0.2) is False
+    w.engine.pause_copies(False)
+    assert w.wait_captured(timeout=30)
+    fut.result(timeout=30)
+    out = zeros_like_state(ref)
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert_state_equal(ref, out)
+
+
+def test_step_hook_blocks_until_copies_land(tmp_path: Any, writer_factory: Any) -> None:
+    """Deterministic barrier test: the copy threads are held; optimizer.step must wait."""
+    model, opt, gen = make_training()
+    train_step(model, opt, gen)
+    w: DataStatesWriter = writer_factory()
+    w.protect(opt)
+    ref = copy.deepcopy(state_of(model, opt, 1))
+    w.engine.pause_copies(True)
+    fut = dcp.async_save(state_of(model, opt, 1), storage_writer=w,
+                         checkpoint_id=str(tmp_path / "c"))
+    x = torch.randn(16, 32, generator=gen)
+    model(x).pow(2).mean().backward()  # forward/backward overlap the (held) copies
+    stepped = threading.Event()
+    t = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+    t.start()
+    assert not stepped.wait(0.3), "optimizer.step() ran while copies were pending"
+    w.engine.pause_copies(False)
+    assert stepped.wait(30), "optimizer.step() did not resume after the copies landed"
+    t.join()
+    fut.result(timeout=30)
+    out = zeros_like_state(ref)
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert_state_equal(ref, out)  # the pre-step state, although step() ran meanwhile
+    stats = w.save_stats()[-1]
+    assert stats["captured_before_barrier"] is False
+    assert stats["blocked_s"] >= 0.25
+
+
+def test_in_place_modification_before_capture_fails_the_save(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    w: DataStatesWriter = writer_factory(capture="lazy")
+    sd = {"weights": torch.zeros(50_000)}
+    path = str(tmp_path / "c")
+    w.engine.pause_copies(True)
+    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=path)
+    sd["weights"].add_(1.0)  # modified before its lazy copy: must never be written torn
+    w.engine.pause_copies(False)
+    with pytest.raises(BaseException, match="weights.*modified in place"):
+        fut.result(timeout=30)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    with pytest.raises(CaptureError):
+        w.wait_captured()  # reported once more at the next barrier ...
+    w.wait_captured()  # ... and only once
+    # The writer stays usable.
+    dcp.async_save(sd, storage_writer=w, checkpoint_id=path).result(timeout=30)
+    out = {"weights": torch.zeros(50_000)}
+    dcp.load(out, checkpoint_id=path)
+    assert bool((out["weights"] == 1).all())
+
+
+def test_auto_capture_without_protect_is_exact(tmp_path: Any, writer_factory: Any) -> None:
+    w: DataStatesWriter = writer_factory()  # capture="auto", nothing protected: eager clones
+    sd = {"t": torch.zeros(10_000), "n": 1}
+    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    sd["t"].fill_(5)
+    fut.result(timeout=30)
+    out = {"t": torch.ones(10_000), "n": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert bool((out["t"] == 0).all()) and out["n"] == 1
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        pytest.param({}, id="cache-fits"),
+        pytest.param({"host_cache_size": "96KiB", "chunk_size": "16KiB"}, id="cache-smaller"),
+    ],
+)
+def test_save_every_iteration_matches_reference(
+    tmp_path: Any, writer_factory: Any, knobs: dict
+) -> None:
+    """Saves every step while training on; each checkpoint equals its step's snapshot.
+
+    Random delays in the copy and flush threads shake out races between capture and the step.
+    """
+    model, opt, gen = make_training(1)
+    train_step(model, opt, gen)
+    w: DataStatesWriter = writer_factory(**knobs)
+    w.protect(opt)
+    w.engine.set_delays(2000, 3000, seed=7)
+    refs: dict[int, dict[str, Any]] = {}
+    futs = []
+    for step in range(1, 9):
+        refs[step] = copy.deepcopy(state_of(model, opt, step))
+        futs.append(dcp.async_save(state_of(model, opt, step), storage_writer=w,
+                                   checkpoint_id=str(tmp_path / f"step-{step}")))
+        train_step(model, opt, gen)  # BatchNorm stats change in forward, params in step
+    for f in futs:
+        f.result(timeout=60)
+    for step, ref in refs.items():
+        out = zeros_like_state(ref)
+        dcp.load(out, checkpoint_id=str(tmp_path / f"step-{step}"))
+        assert_state_equal(ref, out)
+    st = w.save_stats()
+    assert len(st) == 8 and all(s["error"] is None for s in st)
+    c = w.engine_counters()
+    assert c["jobs"] == 0 and c["cache_used_bytes"] == 0 and c["open_files"] == 0
+
+
+def test_cache_much_smaller_than_one_checkpoint_does_not_deadlock(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    w: DataStatesWriter = writer_factory(host_cache_size="64KiB", chunk_size="16KiB",
+                                         capture="lazy")
+    sd = {f"t{i}": torch.full((20_000,), float(i)) for i in range(20)}  # 1.6 MB through 64 KiB
+    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    assert w.wait_captured(timeout=60)
+    fut.result(timeout=60)
+    out = zeros_like_state(sd)
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert_state_equal(sd, out)
+
+
+class FailingPlanner(DefaultSavePlanner):
+    def create_local_plan(self) -> Any:
+        raise RuntimeError("planner exploded")
+
+
+def test_save_failing_before_write_releases_its_staged_job(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    """A save whose planning fails must not leave the barrier waiting forever."""
+    w: DataStatesWriter = writer_factory(host_cache_size="64KiB", chunk_size="16KiB",
+                                         capture="lazy")
+    sd = {"t": torch.randn(100_000)}  # larger than the cache: capture needs the flushes
+    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"),
+                         planner=FailingPlanner())
+    with pytest.raises(BaseException, match="planner exploded"):
+        fut.result(timeout=30)
+    deadline = time.time() + 30
+    while w.engine_counters()["jobs"] and time.time() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(CheckpointSaveError, match="before its data was written"):
+        w.wait_captured(timeout=30)
+    assert w.engine_counters()["cache_used_bytes"] == 0
+    assert not os.path.exists(str(tmp_path / "c" / ".metadata"))
+
+
+def test_concurrent_saves_to_one_path_are_refused(tmp_path: Any, writer_factory: Any) -> None:
+    w: DataStatesWriter = writer_factory(capture="lazy")
+    path = str(tmp_path / "same")
+    w.engine.pause_copies(True)
+    f1 = dcp.async_save({"a": torch.ones(10_000)}, storage_writer=w, checkpoint_id=path)
+    time.sleep(0.2)  # let the first save claim the path
+    f2 = dcp.async_save({"a": torch.zeros(10_000)}, storage_writer=w, checkpoint_id=path)
+    with pytest.raises(BaseException, match="another save to .* is still in progress"):
+        f2.result(timeout=30)
+    w.engine.pause_copies(False)
+    f1.result(timeout=30)
+    out = {"a": torch.zeros(10_000)}
+    dcp.load(out, checkpoint_id=path)
+    assert bool((out["a"] == 1).all())
