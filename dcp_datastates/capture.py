@@ -77,8 +77,9 @@ class SaveJob:
     error_reported: bool = False
     checkpoint_id: str | None = None
     rank: int = -1
-    claimed_by: Any = None  # the save context (thread) presumed to carry this job
+    thread: int | None = None  # ident of the DCP save thread carrying this job
     finished: bool = False  # written or failed; its engine job is forgotten
+    protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -202,7 +203,7 @@ class Stager:
             if type(obj) is dict:
                 return dict(items)
             try:
-                return type(obj)(items)  # OrderedDict and friends
+                return type(obj)(items)  # type: ignore[call-arg]  # OrderedDict and friends
             except TypeError:
                 return dict(items)
         if isinstance(obj, list):
@@ -243,8 +244,8 @@ class Stager:
         if is_dtensor:
             staged = DTensor.from_local(
                 staged,
-                t.device_mesh,
-                t.placements,
+                t.device_mesh,  # type: ignore[attr-defined]
+                t.placements,  # type: ignore[attr-defined]
                 run_check=False,
                 shape=t.shape,
                 stride=t.stride(),

@@ -205,9 +205,9 @@ def list_checkpoints(root: PathLike) -> list[CheckpointInfo]:
     if not _check_root(root_path):
         return []
     infos: list[CheckpointInfo] = []
-    for entry in os.scandir(root_path):
-        if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
-            continue
+    with os.scandir(root_path) as entries:
+        dirs = [e for e in entries if not e.is_symlink() and e.is_dir(follow_symlinks=False)]
+    for entry in dirs:
         step = parse_step(entry.name)
         if step is None:
             continue
@@ -313,6 +313,7 @@ def update_latest(root: PathLike, name: str) -> Path:
     tmp_path = Path(tmp_name)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes it 0600; others may need to read it
             f.write(name_str + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -349,9 +350,9 @@ def _remove_checkpoint_dir(path: Path) -> None:
         marker.touch(exist_ok=True)
         metadata.unlink()
         _fsync_dir(path)
-    for entry in os.scandir(path):
-        if entry.name == INCOMPLETE_MARKER:
-            continue
+    with os.scandir(path) as it:
+        entries = [e for e in it if e.name != INCOMPLETE_MARKER]
+    for entry in entries:
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path)
         else:

@@ -76,9 +76,9 @@ from .stats import SaveStats
 logger = logging.getLogger(__name__)
 
 try:
-    from torch.distributed.checkpoint.metadata import CURRENT_DCP_VERSION
-except ImportError:  # pragma: no cover
-    CURRENT_DCP_VERSION = "1.0.0"
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    CURRENT_DCP_VERSION = "1.0.0"  # type: ignore[misc]
 
 
 @dataclass
@@ -90,9 +90,10 @@ class _Context:
     coordinator: bool = True
     use_collectives: bool = True
     save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    claimed: SaveJob | None = None  # the staged job this save thread is presumed to carry
+    job: SaveJob | None = None  # the staged job this save thread carries (None: dcp.save)
     path_key: str | None = None  # set while this context holds the path claim
-    finished: bool = False
+    finished: bool = False  # finish() ran (coordinator) or the context ended
+    ended: bool = False
 
 
 class _ContextHolder:
@@ -100,6 +101,30 @@ class _ContextHolder:
 
     def __init__(self, ctx: _Context) -> None:
         self.ctx = ctx
+
+
+class _StagedStateDict(dict):  # type: ignore[type-arg]
+    """The staged dict ``stage()`` returns: it tells the writer which thread saves which job.
+
+    ``dcp.async_save`` hands it to a background thread whose first use of it, before any
+    storage-writer call that needs to know, is ``dcp.save``'s ``_stateful_to_state_dict``
+    iterating ``items()``. That first iteration in a thread other than the staging one binds
+    that thread to this save job, so consecutive saves can be ordered identically on every rank.
+    """
+
+    def __init__(self, data: dict[str, Any], writer: DataStatesWriter, job: SaveJob) -> None:
+        super().__init__(data)
+        self._writer_ref = weakref.ref(writer)
+        self._job = job
+        self._stage_thread = threading.get_ident()
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        ident = threading.get_ident()
+        if ident != self._stage_thread:
+            w = self._writer_ref()
+            if w is not None:
+                w._bind_thread(ident, self._job)
+        return super().items()
 
 
 class ProtectHandle:
@@ -192,6 +217,7 @@ class DataStatesWriter(StorageWriter):
         self._idle = threading.Condition(self._lock)
         self._jobs: list[SaveJob] = []  # staged or running jobs, oldest first
         self._by_staged: dict[int, SaveJob] = {}
+        self._thread_jobs: dict[int, SaveJob] = {}  # save thread -> the staged job it carries
         self._protects: list[ProtectHandle] = []
         self._unreported: collections.deque[SaveJob] = collections.deque()
         self._stats: collections.deque[SaveStats] = collections.deque(maxlen=1000)
@@ -311,13 +337,16 @@ class DataStatesWriter(StorageWriter):
             protected = protected_storages(opts)
         staged, job = self._stager.stage(state_dict, protected)
         with self._lock:
-            if job.tensors:
-                self._jobs.append(job)
-                for key in job.by_staged_id:
-                    self._by_staged[key] = job
-            else:
-                self._engine.forget(job.engine_job)
-        return staged
+            self._jobs.append(job)
+            for key in job.by_staged_id:
+                self._by_staged[key] = job
+        return _StagedStateDict(staged, self, job)
+
+    def _bind_thread(self, ident: int, job: SaveJob) -> None:
+        with self._lock:
+            if job.thread is None and not job.finished:
+                job.thread = ident
+                self._thread_jobs[ident] = job
 
     def synchronize_staging(self) -> None:
         """Same as :meth:`wait_captured` (for code written against the AsyncStager protocol)."""
@@ -348,6 +377,16 @@ class DataStatesWriter(StorageWriter):
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
+        with self._idle:
+            ctx.job = self._thread_jobs.pop(threading.get_ident(), None)
+            # One save's protocol (with its collectives) at a time, in the order of the save
+            # calls, identically on every rank: wait for every earlier staged save to end.
+            limit = ctx.job.seq if ctx.job is not None else None
+            while any(
+                not j.protocol_done and not j.adhoc and (limit is None or j.seq < limit)
+                for j in self._jobs
+            ):
+                self._idle.wait()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -399,12 +438,6 @@ class DataStatesWriter(StorageWriter):
         if old is not None:
             self._end_context(old.ctx)
         ctx = _Context(path=path)
-        with self._lock:
-            for j in self._jobs:
-                if j.claimed_by is None and not j.bound and not j.adhoc:
-                    j.claimed_by = ctx
-                    ctx.claimed = j
-                    break
         holder = _ContextHolder(ctx)
         weakref.finalize(holder, self._end_context, ctx)
         self._tls.holder = holder
@@ -418,9 +451,12 @@ class DataStatesWriter(StorageWriter):
 
     def _end_context(self, ctx: _Context) -> None:
         """Runs when a save context is replaced or its thread exits: undoes what it left open."""
+        if ctx.ended:
+            return
+        ctx.ended = True
         self._release_claim(ctx)
-        job = ctx.claimed
-        if job is not None and not job.bound and job.claimed_by is ctx:
+        job = ctx.job
+        if job is not None and not job.finished:
             # This thread's save ended before its data was written (planning failed here or on
             # another rank): the staged job will never be written. Free its cache space.
             self._fail_job(
@@ -429,6 +465,9 @@ class DataStatesWriter(StorageWriter):
                     f"save to {ctx.path} failed on rank {ctx.rank} before its data was written"
                 ),
             )
+        if job is not None:
+            job.protocol_done = True  # the thread's DCP protocol (collectives included) is over
+            self._drop_job(job)
         ctx.finished = True
 
     def _claim_and_prepare(self, ctx: _Context) -> None:
@@ -450,41 +489,17 @@ class DataStatesWriter(StorageWriter):
     # ------------------------------------------------------------------------------------------
     # Binding a DCP plan to a save job
     def _bind_job(self, ctx: _Context, plan: SavePlan, planner: SavePlanner) -> SaveJob:
-        staged_sd = getattr(planner, "state_dict", None)
-        job: SaveJob | None = None
-        with self._lock:
-            if isinstance(staged_sd, dict):
-                for item in plan.items:
-                    if item.type == WriteItemType.BYTE_IO:
-                        continue
-                    job = self._by_staged.get(id(staged_sd.get(item.index.fqn)))
-                    if job is not None:
-                        break
-            if job is not None and job.bound:
-                raise CheckpointSaveError(f"save to {ctx.path}: the staged state was written twice")
-            mine = ctx.claimed
-            if job is None:
-                if mine is not None and mine.claimed_by is ctx:
-                    mine.claimed_by = None  # a synchronous save: give the claim back
-                ctx.claimed = None
-            elif job.claimed_by is not ctx:
-                other = job.claimed_by
-                if other is not None:
-                    other.claimed = mine if mine is not None and mine.claimed_by is ctx else None
-                    if other.claimed is not None:
-                        other.claimed.claimed_by = other
-                elif mine is not None and mine.claimed_by is ctx:
-                    mine.claimed_by = None
-                job.claimed_by = ctx
-                ctx.claimed = job
-            if job is not None:
-                job.bound = True
+        job = ctx.job
         if job is None:
+            # dcp.save (no stage): a job whose tensors are captured as their items are placed.
             job = SaveJob(engine_job=self._engine.create_job("sync-save"), seq=0, adhoc=True)
             job.t_stage = time.perf_counter()
-            job.bound = True
+            ctx.job = job
             with self._lock:
                 self._jobs.append(job)
+        elif job.bound:
+            raise CheckpointSaveError(f"save to {ctx.path}: the staged state was written twice")
+        job.bound = True
         job.checkpoint_id = ctx.path
         job.rank = ctx.rank
         return job
@@ -670,7 +685,8 @@ class DataStatesWriter(StorageWriter):
             job.finished = True
             self._engine.forget(job.engine_job)
         self._record_stats(job, ctx.rank, st)
-        self._drop_job(job)
+        if job.adhoc:
+            self._drop_job(job)  # dcp.save: its caller is the only one waiting
 
     def _fail_job(self, job: SaveJob, err: CheckpointSaveError) -> None:
         # Abort first, without job.lock: a barrier may hold it while waiting for this job.
@@ -689,7 +705,8 @@ class DataStatesWriter(StorageWriter):
         with self._lock:
             if not job.error_reported:
                 self._unreported.append(job)
-        self._drop_job(job)
+        if job.adhoc:
+            self._drop_job(job)
 
     def _drop_job(self, job: SaveJob) -> None:
         with self._idle:
@@ -708,8 +725,7 @@ class DataStatesWriter(StorageWriter):
                     return True
                 was_captured = self._engine.is_captured(job.engine_job)
                 if not self._engine.wait_captured(job.engine_job, timeout):
-                    job.blocked_s += time.perf_counter() - t0
-                    return False
+                    return False  # the time waited is added in `finally`
                 if job.captured_before_barrier is None:
                     job.captured_before_barrier = was_captured
                 raise_if_modified(job, job.checkpoint_id or self.path or "<checkpoint>")

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dcp_datastates import DataStatesWriter  # noqa: E402
+if TYPE_CHECKING:
+    from dcp_datastates import DataStatesWriter
+
 
 
 def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
@@ -31,7 +33,7 @@ def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
             assert_state_equal(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_state_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, (path, a, b)
@@ -50,6 +52,8 @@ def zeros_like_state(sd: Any) -> Any:
 
 @pytest.fixture
 def writer_factory(tmp_path: Any) -> Iterator[Any]:
+    from dcp_datastates import DataStatesWriter
+
     made: list[DataStatesWriter] = []
 
     def make(**kw: Any) -> DataStatesWriter:

@@ -73,8 +73,9 @@ def test_step_hook_blocks_until_copies_land(tmp_path: Any, writer_factory: Any) 
     w.protect(opt)
     ref = copy.deepcopy(state_of(model, opt, 1))
     w.engine.pause_copies(True)
-    fut = dcp.async_save(state_of(model, opt, 1), storage_writer=w,
-                         checkpoint_id=str(tmp_path / "c"))
+    fut = dcp.async_save(
+        state_of(model, opt, 1), storage_writer=w, checkpoint_id=str(tmp_path / "c")
+    )
     x = torch.randn(16, 32, generator=gen)
     model(x).pow(2).mean().backward()  # forward/backward overlap the (held) copies
     stepped = threading.Event()
@@ -150,8 +151,13 @@ def test_save_every_iteration_matches_reference(
     futs = []
     for step in range(1, 9):
         refs[step] = copy.deepcopy(state_of(model, opt, step))
-        futs.append(dcp.async_save(state_of(model, opt, step), storage_writer=w,
-                                   checkpoint_id=str(tmp_path / f"step-{step}")))
+        futs.append(
+            dcp.async_save(
+                state_of(model, opt, step),
+                storage_writer=w,
+                checkpoint_id=str(tmp_path / f"step-{step}"),
+            )
+        )
         train_step(model, opt, gen)  # BatchNorm stats change in forward, params in step
     for f in futs:
         f.result(timeout=60)
@@ -168,8 +174,9 @@ def test_save_every_iteration_matches_reference(
 def test_cache_much_smaller_than_one_checkpoint_does_not_deadlock(
     tmp_path: Any, writer_factory: Any
 ) -> None:
-    w: DataStatesWriter = writer_factory(host_cache_size="64KiB", chunk_size="16KiB",
-                                         capture="lazy")
+    w: DataStatesWriter = writer_factory(
+        host_cache_size="64KiB", chunk_size="16KiB", capture="lazy"
+    )
     sd = {f"t{i}": torch.full((20_000,), float(i)) for i in range(20)}  # 1.6 MB through 64 KiB
     fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
     assert w.wait_captured(timeout=60)
@@ -188,11 +195,13 @@ def test_save_failing_before_write_releases_its_staged_job(
     tmp_path: Any, writer_factory: Any
 ) -> None:
     """A save whose planning fails must not leave the barrier waiting forever."""
-    w: DataStatesWriter = writer_factory(host_cache_size="64KiB", chunk_size="16KiB",
-                                         capture="lazy")
+    w: DataStatesWriter = writer_factory(
+        host_cache_size="64KiB", chunk_size="16KiB", capture="lazy"
+    )
     sd = {"t": torch.randn(100_000)}  # larger than the cache: capture needs the flushes
-    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"),
-                         planner=FailingPlanner())
+    fut = dcp.async_save(
+        sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"), planner=FailingPlanner()
+    )
     with pytest.raises(BaseException, match="planner exploded"):
         fut.result(timeout=30)
     deadline = time.time() + 30
@@ -205,16 +214,38 @@ def test_save_failing_before_write_releases_its_staged_job(
 
 
 def test_concurrent_saves_to_one_path_are_refused(tmp_path: Any, writer_factory: Any) -> None:
-    w: DataStatesWriter = writer_factory(capture="lazy")
+    """Two writers saving to one directory at once: the second is refused, the first lands."""
+    w1: DataStatesWriter = writer_factory(capture="lazy")
+    w2: DataStatesWriter = writer_factory(capture="lazy")
     path = str(tmp_path / "same")
-    w.engine.pause_copies(True)
-    f1 = dcp.async_save({"a": torch.ones(10_000)}, storage_writer=w, checkpoint_id=path)
+    w1.engine.pause_copies(True)
+    f1 = dcp.async_save({"a": torch.ones(10_000)}, storage_writer=w1, checkpoint_id=path)
     time.sleep(0.2)  # let the first save claim the path
-    f2 = dcp.async_save({"a": torch.zeros(10_000)}, storage_writer=w, checkpoint_id=path)
+    f2 = dcp.async_save({"a": torch.zeros(10_000)}, storage_writer=w2, checkpoint_id=path)
     with pytest.raises(BaseException, match="another save to .* is still in progress"):
         f2.result(timeout=30)
-    w.engine.pause_copies(False)
+    w1.engine.pause_copies(False)
     f1.result(timeout=30)
     out = {"a": torch.zeros(10_000)}
     dcp.load(out, checkpoint_id=path)
     assert bool((out["a"] == 1).all())
+
+
+def test_consecutive_saves_on_one_writer_are_queued(tmp_path: Any, writer_factory: Any) -> None:
+    """A save issued while the previous one is still in flight waits its turn; both land."""
+    w: DataStatesWriter = writer_factory(capture="lazy")
+    t = torch.ones(10_000)
+    w.engine.pause_copies(True)
+    f1 = dcp.async_save({"a": t}, storage_writer=w, checkpoint_id=str(tmp_path / "one"))
+    f2 = dcp.async_save({"a": t}, storage_writer=w, checkpoint_id=str(tmp_path / "two"))
+    time.sleep(0.2)
+    assert not f1.done() and not f2.done()
+    w.engine.pause_copies(False)
+    f1.result(timeout=30)
+    f2.result(timeout=30)
+    w.wait_captured()
+    t.add_(1)
+    for name in ("one", "two"):
+        out = {"a": torch.zeros(10_000)}
+        dcp.load(out, checkpoint_id=str(tmp_path / name))
+        assert bool((out["a"] == 1).all())

@@ -1,4 +1,4 @@
-"""Single-process round trips: what DataStatesWriter writes, the stock dcp.load reads bit-exactly."""
+"""Single-process round trips: what DataStatesWriter writes, stock dcp.load reads bit-exactly."""
 
 from __future__ import annotations
 
@@ -71,8 +71,13 @@ def _load_back(sd: dict[str, Any], path: str) -> dict[str, Any]:
             id="backpressure-1flush",
         ),
         pytest.param(
-            {"host_cache_size": "96KiB", "chunk_size": "8KiB", "flush_threads": 3,
-             "copy_threads": 3, "files_per_rank": 3},
+            {
+                "host_cache_size": "96KiB",
+                "chunk_size": "8KiB",
+                "flush_threads": 3,
+                "copy_threads": 3,
+                "files_per_rank": 3,
+            },
             id="backpressure-3flush",
         ),
         pytest.param({"o_direct": True, "files_per_rank": 1}, id="o_direct"),

@@ -1,0 +1,1 @@
+"""Benchmark harness for dcp_datastates ; see docs/benchmarks.md."""

@@ -1,0 +1,277 @@
+"""PNG plots (matplotlib, Agg): a Figure-1 style timeline and bar charts.
+
+The timeline follows the DataStates-LLM paper's Figure 1: the training thread's forward,
+backward and update phases on one lane, and checkpoint activity on the lanes below: *capture*
+from the save request until the method no longer needs the live tensors, *flush* from then
+until the checkpoint is durable. For DataStatesWriter the end of capture is ``t_captured`` from
+its own per-save telemetry (``save_stats()``); for ``DefaultStager`` it is the completion of the
+staging future; for the other methods, which expose nothing finer, it is the return of the save
+call (synchronous methods capture and flush inside the call, so their flush lane stays empty).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+COLORS = {
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "step": "#8172b3",
+    "blocked": "#c44e52",
+    "statedict": "#937860",
+    "capture": "#dd8452",
+    "flush": "#64b5cd",
+    "dd": "#333333",
+}
+DPI = 90
+
+
+def _bars(ax: Axes, y: float, spans: list[tuple[float, float]], color: str, h: float = 0.8) -> None:
+    spans = [(a, b - a) for a, b in spans if b > a]
+    if spans:
+        ax.broken_barh(spans, (y - h / 2, h), facecolors=color, edgecolor="none")
+
+
+def _window(tl: dict[str, Any], k: int) -> float:
+    iters = tl["iters"]
+    if not iters:
+        return 1.0
+    n = min(len(iters), max(6, 3 * k))
+    return float(iters[n - 1][6])
+
+
+def timeline(scn_name: str, summary: dict[str, Any], k: int, path: str) -> str | None:
+    """Training-thread phases against checkpoint capture/flush, one panel per contender."""
+    tls = summary.get("timeline") or {}
+    if not tls:
+        return None
+    names = sorted(tls, key=lambda n: n != "baseline")  # the no-checkpoint loop first
+    end = max(_window(tls[n], k) for n in names)
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(11, 0.95 * len(names) + 1.2), sharex=True, squeeze=False
+    )
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        tl = tls[name]
+        label = summary["contenders"].get(name, {}).get("label", "no checkpointing")
+        it = tl["iters"]
+        # lane 2: training thread
+        _bars(ax, 2, [(i[0], i[1]) for i in it], COLORS["forward"])
+        _bars(ax, 2, [(i[1], i[2]) for i in it], COLORS["backward"])
+        _bars(ax, 2, [(i[3], i[4]) for i in it], COLORS["blocked"])
+        _bars(ax, 2, [(i[4], i[5]) for i in it], COLORS["step"])
+        _bars(ax, 2, [(i[5], i[6]) for i in it], COLORS["statedict"])
+        saves = tl["saves"]
+        _bars(ax, 2, [(s["call"][0], s["call"][1]) for s in saves], COLORS["blocked"])
+        # capture: call -> live tensors no longer needed (DataStates: its telemetry's
+        # t_captured; DefaultStager: staging future done; others: when the call returned)
+        caps = [(s["call"][0], s["captured"] or s["call"][1]) for s in saves]
+        fl = [
+            (s["captured"] or s["call"][1], s["durable"]) for s in saves if s["durable"] is not None
+        ]
+        lanes = ("capture", "flush")
+        _bars(ax, 1, caps, COLORS["capture"], 0.6)
+        _bars(ax, 0, fl, COLORS["flush"], 0.6)
+        ax.set_yticks([0, 1, 2], [lanes[1], lanes[0], "train"], fontsize=7)
+        ax.set_ylim(-0.6, 2.6)
+        ax.set_title(label, fontsize=8, loc="left", pad=2)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlim(0, end * 1.02)
+    axes[-1, 0].set_xlabel("seconds since loop start", fontsize=8)
+    handles = [
+        Patch(color=COLORS[c], label=lbl)
+        for c, lbl in (
+            ("forward", "forward"),
+            ("backward", "backward"),
+            ("step", "optimizer step"),
+            ("statedict", "get_state_dict"),
+            ("blocked", "blocked by checkpoint"),
+            ("capture", "capture (copy)"),
+            ("flush", "flush until durable"),
+        )
+    ]
+    top = 1.0 - 0.45 / fig.get_figheight()
+    fig.suptitle(f"timeline: {scn_name}", fontsize=9, y=0.998, x=0.01, ha="left", va="top")
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1.0 - 0.22 / fig.get_figheight()),
+        ncol=7,
+        fontsize=7,
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _ok(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(n, c) for n, c in summary.get("contenders", {}).items() if c["status"] == "ok"]
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = 1 if n == 1 else 2
+    return (n + cols - 1) // cols, cols
+
+
+def _err(s: dict[str, Any] | None) -> tuple[float, float, float]:
+    if not s:
+        return 0.0, 0.0, 0.0
+    return s["median"], s["median"] - s["min"], s["max"] - s["median"]
+
+
+def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
+    """Per scenario: time blocked (dark) and until durable (light), median with min/max."""
+    panels = [s for s in scenarios if "contenders" in s["summary"] and _ok(s["summary"])]
+    if not panels:
+        return None
+    rows, cols = _grid(len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 0.35 * 9 * rows + 0.8), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, scn in zip(axes.flat, panels, strict=False):
+        items = _ok(scn["summary"])
+        labels = [c["label"] for _, c in items]
+        ys = list(range(len(items)))
+        for key, color, off, h in (
+            ("durable_s", COLORS["flush"], 0.18, 0.36),
+            ("blocked_s", COLORS["blocked"], -0.18, 0.36),
+        ):
+            med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
+            ax.barh(
+                [y + off for y in ys],
+                med,
+                height=h,
+                xerr=[lo, hi],
+                color=color,
+                error_kw={"elinewidth": 0.8, "capsize": 2},
+                label="until durable" if key == "durable_s" else "blocked",
+            )
+        vals = [c[k]["median"] for _, c in items for k in ("blocked_s", "durable_s") if c[k]]
+        if vals and min(vals) > 0 and max(vals) / min(vals) > 50:
+            ax.set_xscale("log")
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(scn["name"], fontsize=8, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlabel("seconds per checkpoint", fontsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def slowdown_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
+    """Per training scenario: iteration-time slowdown against the no-checkpoint loop."""
+    panels = [
+        s
+        for s in scenarios
+        if s["kind"] == "training" and "contenders" in s["summary"] and _ok(s["summary"])
+    ]
+    if not panels:
+        return None
+    rows, cols = _grid(len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, scn in zip(axes.flat, panels, strict=False):
+        items = _ok(scn["summary"])
+        labels = [c["label"] for _, c in items]
+        ys = list(range(len(items)))
+        for key, color, off, lbl in (
+            ("slowdown_until_durable_pct", COLORS["flush"], 0.18, "incl. drain to durable"),
+            ("slowdown_pct", COLORS["blocked"], -0.18, "training loop"),
+        ):
+            med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
+            ax.barh(
+                [y + off for y in ys],
+                med,
+                height=0.36,
+                xerr=[lo, hi],
+                color=color,
+                error_kw={"elinewidth": 0.8, "capsize": 2},
+                label=lbl,
+            )
+        ax.axvline(0, color="black", lw=0.6)
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(scn["name"], fontsize=8, loc="left")
+        ax.set_xlabel("slowdown vs. no checkpointing, %", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
+    """Per synthetic scenario: flush GB/s per contender against the raw dd bandwidth."""
+    panels = [
+        s
+        for s in scenarios
+        if s["kind"] == "synthetic" and "contenders" in s["summary"] and _ok(s["summary"])
+    ]
+    if not panels:
+        return None
+    rows, cols = _grid(len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, scn in zip(axes.flat, panels, strict=False):
+        items = _ok(scn["summary"])
+        ys = list(range(len(items)))
+        med, lo, hi = zip(*(_err(c["flush_gbps"]) for _, c in items), strict=True)
+        ax.barh(ys, med, xerr=[lo, hi], color=COLORS["flush"], error_kw={"capsize": 2})
+        dd = scn["summary"].get("disk_gbps")
+        if dd:
+            ax.axvline(dd["median"], color=COLORS["dd"], ls="--", lw=1, label="dd oflag=direct")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_yticks(ys, [c["label"] for _, c in items], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(scn["name"], fontsize=8, loc="left")
+        ax.set_xlabel("checkpoint bytes / time until durable, GB/s", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def make_all(results: dict[str, Any], out_dir: str) -> dict[str, list[str]]:
+    """Write every plot; returns {scenario name or "": [png paths]}."""
+    os.makedirs(out_dir, exist_ok=True)
+    made: dict[str, list[str]] = {}
+    for scn in results["scenarios"]:
+        if scn["kind"] == "training" and "contenders" in scn["summary"]:
+            safe = scn["name"].replace("/", "_")
+            p = timeline(
+                scn["name"],
+                scn["summary"],
+                scn["scenario"]["ckpt_every"],
+                os.path.join(out_dir, f"timeline_{safe}.png"),
+            )
+            if p:
+                made.setdefault(scn["name"], []).append(p)
+    for fn, fname in (
+        (blocked_bars, "blocked.png"),
+        (slowdown_bars, "slowdown.png"),
+        (throughput_bars, "throughput.png"),
+    ):
+        p = fn(results["scenarios"], os.path.join(out_dir, fname))
+        if p:
+            made.setdefault("", []).append(p)
+    return made

@@ -1,0 +1,480 @@
+"""Scenarios: what is measured, and the per-rank loops that measure it.
+
+Two kinds:
+
+* ``synthetic``: a synthetic state dict (:mod:`benchmarks.workloads`) saved ``saves`` times per
+  repeat by each contender. The optimizer-step barrier is taken right after the save call (no
+  compute to hide behind: the worst case for asynchronous methods), then the harness waits until
+  the checkpoint is durable. Between saves every tensor is changed in place, so consecutive
+  checkpoints differ. With ``check_barrier`` the change happens right after the barrier, while
+  flushes may still be running, and the loaded checkpoint is compared with a copy taken before
+  the save: this catches a method that reads live tensors after it said it was done with them.
+* ``training``: the tiny GPT trains ``iters`` iterations and checkpoints every ``ckpt_every``
+  (after the optimizer step, like DataStates); asynchronous methods wait at the next step. The
+  same loop without checkpointing is the baseline, run in the same rotation.
+
+Contenders run interleaved: in repeat ``r`` the order is rotated by ``r``, so slow drift of the
+machine (page cache, thermal, neighbours) hits all alike. Each contender's last checkpoint of a
+repeat is read back with the stock loader of its format after evicting it from the page cache,
+and compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.contenders import (
+    Contender,
+    SaveContext,
+    SaveRecord,
+    make_contender,
+)
+from benchmarks.disk import measure_write_bandwidth
+from benchmarks.metrics import PeakRSS, disk_bytes, evict_page_cache, now, rss_bytes
+from benchmarks.verify import clone_tree, compare_trees, empty_like_tree
+from benchmarks.workloads import (
+    MiB,
+    SyntheticSpec,
+    gpt_checkpoint_bytes,
+    gpt_config,
+    make_gpt,
+    perturb_,
+    state_bytes,
+    synthetic_state_dict,
+)
+
+BASELINE = "baseline"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One measured situation. ``synthetic.total_bytes`` is the total over all ranks."""
+
+    name: str
+    kind: str  # "synthetic" | "training"
+    contenders: tuple[str, ...]
+    repeats: int
+    world_size: int = 1
+    synthetic: SyntheticSpec | None = None
+    cache_fraction: float | None = None  # DataStates host cache / per-rank bytes; None: fits
+    saves: int = 2
+    check_barrier: bool = False
+    gpt_preset: str = "small"
+    ckpt_every: int = 1
+    iters: int = 12
+    warmup: int = 2
+    description: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["contenders"] = list(self.contenders)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Scenario:
+        d = dict(d)
+        d["contenders"] = tuple(d["contenders"])
+        if d.get("synthetic") is not None:
+            d["synthetic"] = SyntheticSpec(**d["synthetic"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Settings shared by all scenarios of one invocation."""
+
+    root: str  # checkpoint directories go below this
+    device: str = "cpu"
+    fs_threads: int = 2
+    max_in_flight: int = 1
+    ds_max_in_flight: int = 0
+    host_cache: str = "auto"  # "auto" (checkpoint fits, with headroom) or a size like "2GiB"
+    ds_options: dict[str, Any] = field(default_factory=dict)
+    disk_probe_max_bytes: int = 1024 * MiB
+    keep_checkpoints: bool = False
+    torch_threads: int = 0  # intra-op threads per rank; 0: cores / ranks
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Env:
+    """This rank's view of the run."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    pg: dist.ProcessGroup | None
+    peak: PeakRSS
+
+    def sync(self) -> None:
+        """Barrier across ranks (default group, never the checkpoint group) + device sync."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.barrier()
+
+    def device_sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def host_cache_bytes(opts: RunOptions, scn: Scenario, per_rank_bytes: int) -> int:
+    """DataStates host cache for this scenario: a fraction of the checkpoint, or one that fits."""
+    from benchmarks.workloads import parse_size
+
+    if scn.cache_fraction is not None:
+        return max(MiB, int(per_rank_bytes * scn.cache_fraction))
+    if opts.host_cache != "auto":
+        return parse_size(opts.host_cache)
+    # fits: the payload plus headroom for per-tensor archive headers and 4 KiB alignment
+    return int(per_rank_bytes * 1.25) + 64 * MiB
+
+
+def _rotate(items: list[str], r: int) -> list[str]:
+    if not items:
+        return items
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
+def _error_text(e: BaseException) -> str:
+    lines = traceback.format_exception(type(e), e, e.__traceback__)
+    return "".join(lines[-6:]).strip()
+
+
+def _rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _load_and_verify(env: Env, c: Contender, ckpt_dir: str, expected: Any) -> dict[str, Any]:
+    """Evict ``ckpt_dir`` from the page cache, load it with the stock loader, compare."""
+    target = empty_like_tree(expected)
+    env.sync()
+    evicted = evict_page_cache(ckpt_dir)
+    env.sync()
+    t0 = now()
+    loaded = c.load(ckpt_dir, target)
+    load_s = now() - t0
+    res = compare_trees(expected, loaded)
+    del target, loaded
+    return {"load_s": load_s, "cold": evicted, "verify": res.to_json(), "loader": c.loader}
+
+
+def _contender_header(name: str, c: Contender | None, skip: str | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": c.label if c is not None else name,
+        "format": c.fmt if c is not None else None,
+        "loader": c.loader if c is not None else None,
+        "asynchronous": c.asynchronous if c is not None else False,
+        "status": "skipped" if skip else "ok",
+        "skip_reason": skip,
+        "runs": [],
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# synthetic
+# ---------------------------------------------------------------------------------------
+def run_synthetic(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
+    assert scn.synthetic is not None
+    spec = SyntheticSpec(scn.synthetic.total_bytes // env.world_size, scn.synthetic.mix)
+    prefix = f"rank{env.rank}." if env.world_size > 1 else ""
+    state = synthetic_state_dict(spec, env.device, seed=1000 + env.rank, prefix=prefix)
+    nbytes = state_bytes(state)
+    ctx = SaveContext(
+        rank=env.rank,
+        world_size=env.world_size,
+        device=env.device,
+        pg=env.pg,
+        fs_threads=opts.fs_threads,
+        host_cache_bytes=host_cache_bytes(opts, scn, nbytes),
+        max_in_flight=opts.max_in_flight,
+        ds_max_in_flight=opts.ds_max_in_flight,
+        ds_options=dict(opts.ds_options),
+    )
+    out: dict[str, Any] = {
+        "rank": env.rank,
+        "bytes": nbytes,
+        "tensors": len(state),
+        "host_cache_bytes": ctx.host_cache_bytes,
+        "disk": [],
+        "contenders": {},
+    }
+    active: list[str] = []
+    for name in scn.contenders:
+        c = make_contender(name)
+        skip = c.skip_reason(env.device)
+        out["contenders"][name] = _contender_header(name, c, skip)
+        if skip is None:
+            active.append(name)
+
+    base = os.path.join(opts.root, scn.name)
+    counter = 0
+    for rep in range(scn.repeats):
+        if env.rank == 0:
+            probe = min(nbytes * env.world_size, opts.disk_probe_max_bytes)
+            out["disk"].append(measure_write_bandwidth(base, probe).to_json())
+        env.sync()
+        for name in _rotate(active, rep):
+            run, counter = _synthetic_run(scn, opts, env, ctx, state, nbytes, name, rep, counter)
+            entry = out["contenders"][name]
+            entry["runs"].append(run)
+            if run.get("label"):
+                entry["label"] = run["label"]
+            if run.get("error"):
+                entry["status"] = "error"
+    return out
+
+
+def _synthetic_run(
+    scn: Scenario,
+    opts: RunOptions,
+    env: Env,
+    ctx: SaveContext,
+    state: dict[str, torch.Tensor],
+    nbytes: int,
+    name: str,
+    rep: int,
+    counter: int,
+) -> tuple[dict[str, Any], int]:
+    run_dir = os.path.join(opts.root, scn.name, name, f"rep{rep}")
+    c = make_contender(name)
+    run: dict[str, Any] = {"rep": rep, "saves": [], "error": None}
+    records: list[SaveRecord] = []
+    expected: Any = None
+    try:
+        gc.collect()
+        env.sync()
+        rss0 = rss_bytes()
+        c.setup(ctx, run_dir)
+        run["label"] = c.label
+        for s in range(scn.saves):
+            if counter > 0 and not scn.check_barrier:
+                perturb_(state, counter)  # outside the timed window
+            expected = clone_tree(state) if scn.check_barrier else None
+            ckpt = os.path.join(run_dir, f"save{s}")
+            env.sync()
+            env.peak.reset()
+            rss_before = rss_bytes()
+            rec = c.begin(state, ckpt, s, nbytes)
+            c.barrier(rec)
+            if scn.check_barrier:
+                perturb_(state, counter)  # the "optimizer step": flushes may still run
+            c.drain()
+            env.device_sync()
+            rec.peak_rss = env.peak.peak()
+            rec.rss_before = rss_before
+            records.append(rec)
+            counter += 1
+            if rec.error:
+                raise RuntimeError(f"save {s} failed: {rec.error}")
+            env.sync()
+            if s < scn.saves - 1 and env.rank == 0 and not opts.keep_checkpoints:
+                _rmtree(ckpt)
+        run["held_bytes"] = rss_bytes() - rss0
+        run["telemetry"] = c.telemetry()
+        c.annotate(records)
+        c.teardown()
+        last = records[-1].ckpt_dir
+        run["disk_bytes"] = disk_bytes(last) if env.rank == 0 else None
+        if expected is None:
+            expected = state
+        run.update(_load_and_verify(env, c, last, expected))
+    except BaseException as e:  # CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        run["error"] = _error_text(e)
+    finally:
+        try:
+            c.teardown()
+        except BaseException as e:  # noqa: BLE001 - teardown after an error must not mask it
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+        run["saves"] = [r.to_json() for r in records]
+        expected = None
+        if env.rank == 0 and not opts.keep_checkpoints:
+            _rmtree(run_dir)
+    return run, counter
+
+
+# ---------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------
+def _gpt_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def run_training(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
+    cfg = gpt_config(scn.gpt_preset)
+    if scn.iters % scn.ckpt_every != 0:
+        raise ValueError("iters must be a multiple of ckpt_every (the last iteration saves)")
+    gen = torch.Generator().manual_seed(1234)
+    from benchmarks.tiny_gpt import random_batch
+
+    batches = [random_batch(cfg, gen, env.device) for _ in range(scn.warmup + scn.iters)]
+    approx = gpt_checkpoint_bytes(cfg)
+    ctx = SaveContext(
+        rank=env.rank,
+        world_size=env.world_size,
+        device=env.device,
+        pg=env.pg,
+        fs_threads=opts.fs_threads,
+        host_cache_bytes=host_cache_bytes(opts, scn, approx),
+        max_in_flight=opts.max_in_flight,
+        ds_max_in_flight=opts.ds_max_in_flight,
+        ds_options=dict(opts.ds_options),
+    )
+    out: dict[str, Any] = {
+        "rank": env.rank,
+        "params": cfg.param_count(),
+        "gpt": asdict(cfg),
+        "host_cache_bytes": ctx.host_cache_bytes,
+        "contenders": {BASELINE: _contender_header(BASELINE, None, None)},
+    }
+    out["contenders"][BASELINE]["label"] = "no checkpointing"
+    active: list[str] = [BASELINE]
+    for name in scn.contenders:
+        c = make_contender(name)
+        skip = c.skip_reason(env.device)
+        out["contenders"][name] = _contender_header(name, c, skip)
+        if skip is None:
+            active.append(name)
+    # one discarded loop first: lazy initialisation (allocator, kernels, thread pools) would
+    # otherwise be charged to whichever run comes first
+    _training_run(scn, opts, env, ctx, batches, BASELINE, -1)
+    for rep in range(scn.repeats):
+        for name in _rotate(active, rep):
+            run = _training_run(scn, opts, env, ctx, batches, name, rep)
+            entry = out["contenders"][name]
+            entry["runs"].append(run)
+            if run.get("label"):
+                entry["label"] = run["label"]
+            if run.get("error"):
+                entry["status"] = "error"
+    return out
+
+
+def _training_run(
+    scn: Scenario,
+    opts: RunOptions,
+    env: Env,
+    ctx: SaveContext,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    name: str,
+    rep: int,
+) -> dict[str, Any]:
+    run_dir = os.path.join(opts.root, scn.name, name, f"rep{rep}")
+    c: Contender | None = None if name == BASELINE else make_contender(name)
+    run: dict[str, Any] = {"rep": rep, "saves": [], "error": None}
+    records: list[SaveRecord] = []
+    sync: Callable[[], None] = env.device_sync
+    try:
+        model, opt = make_gpt(gpt_config(scn.gpt_preset), env.device, seed=0)
+        for x, y in batches[: scn.warmup]:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync()
+        gc.collect()
+        rss0 = rss_bytes()
+        if c is not None:
+            c.setup(ctx, run_dir, opt)
+            run["label"] = c.label
+        nbytes = state_bytes(_gpt_state(model, opt))
+        run["bytes"] = nbytes
+        iters: list[list[float]] = []
+        statedict_s: list[float] = []
+        pending: SaveRecord | None = None
+        env.peak.reset()
+        t_loop0 = now()
+        for it in range(scn.iters):
+            x, y = batches[scn.warmup + it]
+            t0 = now()
+            loss = model(x, y)
+            sync()
+            t1 = now()
+            loss.backward()
+            sync()
+            t2 = now()
+            w0 = w1 = t2
+            if pending is not None and c is not None:
+                c.barrier(pending)  # wait at the step (DataStates: until captured)
+                w0, w1 = pending.t_wait0 or t2, pending.t_wait1 or t2
+                pending = None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            t3 = now()
+            if c is not None and (it + 1) % scn.ckpt_every == 0:
+                state = _gpt_state(model, opt)
+                t_sd = now()
+                statedict_s.append(t_sd - t3)
+                ckpt = os.path.join(run_dir, f"it{it + 1:05d}")
+                pending = c.begin(state, ckpt, len(records), nbytes)
+                records.append(pending)
+                if pending.error:
+                    raise RuntimeError(f"save failed: {pending.error}")
+            t4 = now()
+            iters.append([t0, t1, t2, w0, w1, t3, t4])
+        t_loop1 = now()
+        if c is not None:
+            c.drain()
+        t_drained = now()
+        run.update(
+            {
+                "t_loop0": t_loop0,
+                "loop_s": t_loop1 - t_loop0,
+                "until_durable_s": t_drained - t_loop0,
+                "iters": iters,
+                "statedict_s": statedict_s,
+                "peak_rss": env.peak.peak(),
+                "held_bytes": rss_bytes() - rss0,
+            }
+        )
+        errors = [r.error for r in records if r.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} save(s) failed; first: {errors[0]}")
+        if c is not None:
+            run["telemetry"] = c.telemetry()
+            c.annotate(records)
+            c.teardown()
+            if records:
+                run.update(_load_and_verify(env, c, records[-1].ckpt_dir, _gpt_state(model, opt)))
+    except BaseException as e:  # CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        run["error"] = _error_text(e)
+    finally:
+        if c is not None:
+            try:
+                c.teardown()
+            except BaseException as e:  # noqa: BLE001 - must not mask the first error
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+        run["saves"] = [r.to_json() for r in records]
+        if env.rank == 0 and not opts.keep_checkpoints:
+            _rmtree(run_dir)
+    return run
+
+
+def run_scenario(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
+    if scn.kind == "synthetic":
+        return run_synthetic(scn, opts, env)
+    if scn.kind == "training":
+        return run_training(scn, opts, env)
+    raise ValueError(f"unknown scenario kind {scn.kind!r}")

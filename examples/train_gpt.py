@@ -1,0 +1,556 @@
+#!/usr/bin/env python
+"""Train a small GPT on synthetic data with lazy asynchronous checkpoints.
+
+The training loop every user of dcp_datastates writes, end to end:
+
+- a GPT-style model (token + position embeddings, pre-norm transformer blocks, causal
+  self-attention) trained with AdamW on a deterministic synthetic task (each sequence
+  is an arithmetic progression of tokens modulo the vocabulary, so the loss falls);
+- one ``DataStatesWriter`` created once and reused for every save, with
+  ``writer.protect(optimizer)`` so that ``optimizer.step()`` waits for any capture that
+  is still copying tensors into the host cache (the only point where a lazy capture
+  can block training);
+- a checkpoint every ``--ckpt-every`` steps with ``dcp.async_save`` into
+  ``<ckpt-dir>/step-<N>``; when a save is durable (its future is done) the ``latest``
+  pointer is moved to it and old checkpoints are pruned (``--keep-last``);
+- on start, partial checkpoints left by a crash are removed and training resumes from
+  ``latest_complete(<ckpt-dir>)`` with *stock* ``dcp.load`` (model, optimizer, step
+  counter and the data generator's RNG state), so a resumed run is bit-identical to
+  one that was never interrupted.
+
+Single process by default; under ``torchrun --nproc-per-node N`` the model is wrapped
+in DDP (gloo on CPU, NCCL on CUDA) and checkpoint collectives use a dedicated gloo group.
+
+Run ``python examples/train_gpt.py --help`` for the options and examples/README.md for
+the resume demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from dcp_datastates.checkpoints import (
+    RetentionPolicy,
+    cleanup_incomplete,
+    latest_complete,
+    prune,
+    update_latest,
+)
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape and per-rank batch."""
+
+    vocab_size: int
+    seq_len: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    batch_size: int
+
+
+SIZES: dict[str, GPTConfig] = {
+    # ~0.1 M parameters, ~1.3 MB checkpoint with AdamW state: tests and quick demos.
+    "tiny": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=64, batch_size=8),
+    # ~3.3 M parameters, ~40 MB checkpoint.
+    "small": GPTConfig(
+        vocab_size=512, seq_len=128, n_layer=4, n_head=8, d_model=256, batch_size=16
+    ),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer returning the next-token cross-entropy loss."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# --------------------------------------------------------------------------- data
+
+
+class SyntheticData:
+    """Deterministic token sequences from a seeded CPU generator (no downloads).
+
+    Sequence i is ``(start_i + stride_i * j) mod vocab`` for j = 0..seq_len, so the next
+    token is predictable from the previous two. Every rank draws the same global batch
+    and keeps its own slice, so the generator state is identical on all ranks (it is
+    saved once, replicated) and independent of the world size.
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int, rank: int, world_size: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, n = self.cfg, self.cfg.batch_size * self.world_size
+        start = torch.randint(0, cfg.vocab_size, (n, 1), generator=self.generator)
+        stride = torch.randint(1, 8, (n, 1), generator=self.generator)
+        seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
+        mine = seq[self.rank * cfg.batch_size : (self.rank + 1) * cfg.batch_size]
+        return mine[:, :-1], mine[:, 1:]
+
+    def get_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+def lr_at(step: int, total: int, base_lr: float, warmup: int = 10) -> float:
+    """Linear warmup then cosine decay: a pure function of the step (nothing to save)."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return base_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# --------------------------------------------------------------------------- checkpoint state
+
+
+def app_state(
+    model: nn.Module, opt: torch.optim.Optimizer, step: int, data: SyntheticData
+) -> dict[str, Any]:
+    """Everything a bit-identical resume needs, as a DCP state dict.
+
+    Model and optimizer tensors are the live ones (no copies): the writer captures
+    them lazily, and ``writer.protect(opt)`` keeps ``opt.step()`` from changing them
+    before the capture is done.
+    """
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "step": step, "rng": data.get_state()}
+
+
+def tree_hash(tree: Any) -> str:
+    """SHA-256 over the names and raw bytes of every tensor (and repr of other leaves)."""
+    h = hashlib.sha256()
+
+    def visit(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{prefix}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                visit(f"{prefix}.{k}", obj[k])
+        elif isinstance(obj, list | tuple):
+            for i, v in enumerate(obj):
+                visit(f"{prefix}[{i}]", v)
+        else:
+            h.update(f"{prefix}={obj!r}".encode())
+
+    visit("", tree)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- saving
+
+
+@dataclass
+class PendingSave:
+    """A save whose future has not been finalised yet."""
+
+    step: int
+    path: Path
+    future: Future[Any] | None  # None for a --sync save (already durable)
+    t_call: float  # perf_counter when the save call started
+    call_s: float  # how long the save call itself took
+    t_done: float | None = None  # set by a done-callback
+
+
+def parse_cache_size(text: str) -> float | str:
+    """``"4"`` or ``"0.5"`` -> GiB as a number; anything else goes to the writer as is."""
+    return float(text) if re.fullmatch(r"\d+(\.\d+)?", text.strip()) else text.strip()
+
+
+def make_writer(args: argparse.Namespace) -> StorageWriter:
+    if args.writer == "filesystem":
+        return dcp.FileSystemWriter(args.ckpt_dir)
+    try:
+        from dcp_datastates import DataStatesWriter  # type: ignore[attr-defined,unused-ignore]
+    except ImportError as exc:
+        raise SystemExit(
+            f"cannot import dcp_datastates.DataStatesWriter ({exc}); build and install the "
+            "package (pip install .) or run with --writer filesystem"
+        ) from exc
+    writer: StorageWriter = DataStatesWriter(
+        args.ckpt_dir, host_cache_size=parse_cache_size(args.host_cache_size)
+    )
+    return writer
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Checkpointer:
+    """Issues saves, finalises them (latest + prune) and prints their telemetry."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        writer: StorageWriter,
+        pg: dist.ProcessGroup | None,
+        rank: int,
+    ) -> None:
+        self.args = args
+        self.root = Path(args.ckpt_dir)
+        self.writer = writer
+        self.pg = pg
+        self.rank = rank
+        self.no_dist = pg is None
+        self.policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
+        self.pending: PendingSave | None = None
+        self.total_blocked_s = 0.0
+        self.saves = 0
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        if self.pending is not None:
+            self.finalize(wait=True)  # one save in flight at a time
+        path = self.root / f"step-{step}"
+        t0 = time.perf_counter()
+        fut: Future[Any] | None = None
+        if self.args.sync:
+            dcp.save(
+                state,
+                storage_writer=self.writer,
+                checkpoint_id=path,
+                process_group=self.pg,
+                no_dist=self.no_dist,
+            )
+        else:
+            resp = dcp.async_save(
+                state,
+                storage_writer=self.writer,
+                checkpoint_id=path,
+                process_group=self.pg,
+                no_dist=self.no_dist,
+            )
+            # an async stager makes async_save return an AsyncSaveResponse
+            fut = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp
+        t1 = time.perf_counter()
+        pending = PendingSave(step=step, path=path, future=fut, t_call=t0, call_s=t1 - t0)
+        if fut is None:
+            pending.t_done = t1
+        else:
+
+            def mark_done(_fut: Future[Any], p: PendingSave = pending) -> None:
+                p.t_done = time.perf_counter()
+
+            fut.add_done_callback(mark_done)
+        self.pending = pending
+        self.saves += 1
+        if fut is None:
+            self.finalize(wait=True)
+
+    def poll(self) -> None:
+        """Finalise the in-flight save if it is already durable (cheap, non-blocking)."""
+        if self.pending is not None and (self.pending.future is None or self.pending.future.done()):
+            self.finalize(wait=True)
+
+    def finalize(self, *, wait: bool, at_exit: bool = False) -> None:
+        """Wait for the pending save (re-raising its error), move latest, prune, report.
+
+        A wait before the next save blocks training and is counted as such; the wait at
+        exit (``at_exit``) is not.
+        """
+        p = self.pending
+        if p is None:
+            return
+        if p.future is not None:
+            if not p.future.done():
+                if not wait:
+                    return
+                t0 = time.perf_counter()
+                p.future.result()
+                waited = time.perf_counter() - t0
+                if not at_exit:
+                    self.total_blocked_s += waited
+                why = "before exit" if at_exit else "before the next save"
+                log(self.rank, f"  waited {waited:.3f}s for step-{p.step} to be durable {why}")
+            p.future.result()
+        self.pending = None
+        if self.rank == 0:
+            update_latest(self.root, p.path.name)
+            removed = prune(self.root, self.policy)
+            self.report(p, removed)
+
+    def report(self, p: PendingSave, removed: list[Path]) -> None:
+        """Print one line per durable checkpoint (rank 0's view).
+
+        training blocked = the save call itself (DCP's own work plus the writer's
+        ``stage``) + the time ``optimizer.step`` waited for this save's copies (the
+        writer's ``blocked_s`` minus its ``stage_s``). flush = bytes / (done - stage).
+        """
+        stats = self._stats_for(p.path)
+        t_done = p.t_done if p.t_done is not None else time.perf_counter()
+        waits = 0.0
+        if stats is not None:
+            waits = max(0.0, float(stats["blocked_s"]) - float(stats.get("stage_s") or 0.0))
+            nbytes = int(stats["bytes"])
+            flush_s = float(stats["t_done"]) - float(stats["t_stage"])
+            if not math.isfinite(flush_s):
+                flush_s = t_done - p.t_call
+            source = "writer stats"
+        else:  # FileSystemWriter: the save call is the blocking part (it copies the state)
+            nbytes = dir_bytes(p.path)
+            flush_s = t_done - p.t_call
+            source = "measured"
+        blocked = p.call_s + waits
+        self.total_blocked_s += blocked
+        rate = nbytes / flush_s / 1e6 if flush_s > 0 else float("inf")
+        pruned = f", pruned {', '.join(r.name for r in removed)}" if removed else ""
+        print(
+            f"[ckpt] step-{p.step}: {nbytes / 1e6:.2f} MB, training blocked "
+            f"{blocked * 1e3:.1f} ms (save call {p.call_s * 1e3:.1f} + step waits "
+            f"{waits * 1e3:.1f}), flush {flush_s:.3f} s = {rate:.1f} MB/s [{source}]{pruned}",
+            flush=True,
+        )
+
+    def _stats_for(self, path: Path) -> dict[str, Any] | None:
+        save_stats = getattr(self.writer, "save_stats", None)
+        if save_stats is None:
+            return None
+        entries: list[dict[str, Any]] = list(save_stats())
+        for entry in reversed(entries):
+            cid = entry.get("checkpoint_id")
+            if cid is not None and os.fspath(cid) == os.fspath(path):
+                return entry
+        return entries[-1] if entries else None
+
+
+# --------------------------------------------------------------------------- main
+
+
+def log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--ckpt-dir", default="./checkpoints", help="checkpoint root")
+    ap.add_argument("--steps", type=int, default=100, help="train until this global step")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="save every N steps (0: never)")
+    ap.add_argument(
+        "--host-cache-size",
+        default="1GiB",
+        help="DataStatesWriter host cache: GiB as a number or a string like 512MiB",
+    )
+    ap.add_argument(
+        "--keep-last", type=int, default=3, help="keep the newest N checkpoints (0: keep all)"
+    )
+    ap.add_argument(
+        "--keep-every", type=int, default=None, help="also keep checkpoints whose step %% N == 0"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="K",
+        help="simulate a crash once global step K is done: exit at once, abandoning any "
+        "save in flight (rerun without it to resume)",
+    )
+    ap.add_argument("--sync", action="store_true", help="dcp.save instead of dcp.async_save")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--writer",
+        choices=["datastates", "filesystem"],
+        default="datastates",
+        help="filesystem: torch's FileSystemWriter, as a baseline",
+    )
+    args = ap.parse_args(argv)
+    if args.steps < 0 or args.ckpt_every < 0:
+        ap.error("--steps and --ckpt-every must be >= 0")
+    if args.keep_last is not None and args.keep_last <= 0:
+        args.keep_last = None  # 0: keep everything
+    if args.keep_every is not None and args.keep_every <= 0:
+        ap.error("--keep-every must be positive")
+    return args
+
+
+def setup_distributed(device: str) -> tuple[int, int, dist.ProcessGroup | None]:
+    """Initialise torch.distributed under torchrun; returns (rank, world, ckpt group)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1, None
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    # checkpoint collectives on their own gloo group, never queued behind training ones
+    pg = dist.new_group(backend="gloo")
+    return dist.get_rank(), world_size, pg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # single-process dcp.save/load warn on every call that they assume a single process
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    rank, world_size, pg = setup_distributed(args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(args.device)
+    cfg = SIZES[args.size]
+    root = Path(args.ckpt_dir)
+
+    torch.manual_seed(args.seed)
+    net = GPT(cfg).to(device)
+    model: nn.Module = net
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    data = SyntheticData(cfg, seed=args.seed + 1, rank=rank, world_size=world_size)
+    n_params = sum(p.numel() for p in net.parameters())
+    log(rank, f"GPT[{args.size}] {n_params / 1e6:.2f} M params, {device}, world size {world_size}")
+
+    # ---- resume: drop what a crash left behind, then load the newest committed checkpoint
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for path in cleanup_incomplete(root):
+            log(rank, f"removed partial checkpoint {path}")
+    if pg is not None:
+        dist.barrier(group=pg)
+    start_step = 0
+    resume = latest_complete(root)
+    if resume is not None:
+        state = app_state(model, opt, 0, data)
+        t0 = time.perf_counter()
+        dcp.load(state, checkpoint_id=resume, process_group=pg, no_dist=pg is None)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        data.set_state(state["rng"])
+        start_step = int(state["step"])
+        log(rank, f"resumed from {resume} at step {start_step} ({time.perf_counter() - t0:.2f}s)")
+
+    writer = make_writer(args)
+    protect = getattr(writer, "protect", None)
+    if protect is not None:
+        protect(opt)  # opt.step() waits for in-flight captures: the lazy-capture contract
+    ckpt = Checkpointer(args, writer, pg, rank)
+
+    # ---- train
+    if start_step >= args.steps:
+        log(rank, f"checkpoint is at step {start_step} >= --steps {args.steps}: nothing to train")
+    loss = torch.tensor(float("nan"))
+    t_train = time.perf_counter()
+    for step in range(start_step, args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        x, y = data.next_batch()
+        loss = model(x.to(device), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        done = step + 1
+        if done % 10 == 0 or done == args.steps:
+            log(rank, f"step {done:5d}  loss {loss.item():.4f}")
+        ckpt.poll()
+        if args.ckpt_every and done % args.ckpt_every == 0:
+            ckpt.save(app_state(model, opt, done, data), done)
+        if args.stop_after is not None and done == args.stop_after:
+            log(rank, f"simulated crash after step {done}: exiting without waiting for saves")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    ckpt.finalize(wait=True, at_exit=True)  # the last save must be durable before we exit
+    elapsed = time.perf_counter() - t_train
+
+    final_loss = loss.item()
+    param_hash = tree_hash(dict(net.named_parameters()))
+    optim_hash = tree_hash(get_state_dict(model, opt)[1])
+    log(
+        rank,
+        f"trained steps {start_step}..{args.steps} in {elapsed:.2f}s, {ckpt.saves} checkpoints, "
+        f"training blocked {ckpt.total_blocked_s:.3f}s in total",
+    )
+    log(rank, f"final_loss={final_loss!r} param_hash={param_hash} optim_hash={optim_hash}")
+    close = getattr(writer, "close", None)
+    if callable(close):
+        close()
+    if pg is not None:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Keep the benchmark harness from rotting: run `benchmarks.run --quick`, check its outputs.
+
+No timing is asserted. What is checked: the run succeeds; results.json and raw.json are strict
+JSON with every scenario and contender present; results.md holds a table per scenario; each PNG
+is a decodable image under 300 KB; every contender that ran loaded its checkpoint back
+bit-exactly with the stock loader of its format (dcp.load for DCP checkpoints); contenders that
+cannot run here (torchsnapshot not installed, dcp_datastates not importable) are reported as
+skipped with a reason instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CONTENDERS = {
+    "torch_save",
+    "dcp_fs_t1",
+    "dcp_fs_tN",
+    "dcp_async",
+    "dcp_async_stager",
+    "torchsnapshot",
+    "ds_save",
+    "ds_async",
+}
+
+
+def _strict_json(path: Path) -> Any:
+    def no_constants(name: str) -> None:
+        raise ValueError(f"{path.name}: non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(), parse_constant=no_constants)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("psutil")
+    base = tmp_path_factory.mktemp("bench")
+    out = base / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--quick",
+        "--out",
+        str(out),
+        "--dir",
+        str(base / "ckpt"),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    (base / "stdout.txt").write_text(proc.stdout)
+    return base
+
+
+def test_outputs_well_formed(quick_run: Path) -> None:
+    out = quick_run / "out"
+    results = _strict_json(out / "results.json")
+    raw = _strict_json(out / "raw.json")
+    md = (out / "results.md").read_text()
+    assert results["meta"]["machine"]["torch"]
+    names = [s["name"] for s in results["scenarios"]]
+    kinds = {s["kind"] for s in results["scenarios"]}
+    assert kinds == {"synthetic", "training"}
+    assert any(s["scenario"]["world_size"] == 2 for s in results["scenarios"])
+    assert any(s["scenario"]["cache_fraction"] for s in results["scenarios"])
+    assert any(
+        s["kind"] == "training" and s["scenario"]["ckpt_every"] == 1 for s in results["scenarios"]
+    )
+    for scn in results["scenarios"]:
+        assert "error" not in scn["summary"], f"{scn['name']}: {scn['summary'].get('error')}"
+        assert scn["name"] in raw
+        assert f"## {scn['name']}" in md
+        section = md.split(f"## {scn['name']}", 1)[1]
+        assert "| contender |" in section
+    assert len(names) == len(set(names))
+
+
+def test_plots_are_pngs(quick_run: Path) -> None:
+    import matplotlib.image as mpimg
+
+    out = quick_run / "out"
+    results = _strict_json(out / "results.json")
+    pngs = [p for group in results["meta"]["plots"].values() for p in group]
+    assert "blocked.png" in pngs and "slowdown.png" in pngs
+    assert any(p.startswith("timeline_") for p in pngs)
+    for name in pngs:
+        path = out / name
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE), name
+        assert len(data) < 300_000, f"{name} is {len(data)} bytes"
+        img = mpimg.imread(path)
+        assert img.shape[0] > 100 and img.shape[1] > 100, name
+        assert f"]({name})" in (out / "results.md").read_text()
+
+
+def test_every_contender_loads_back_bit_exact(quick_run: Path) -> None:
+    results = _strict_json(quick_run / "out" / "results.json")
+    seen: set[str] = set()
+    for scn in results["scenarios"]:
+        contenders = scn["summary"]["contenders"]
+        assert set(scn["scenario"]["contenders"]) <= set(contenders)
+        for name, c in contenders.items():
+            seen.add(name)
+            assert c["status"] in ("ok", "skipped"), f"{scn['name']}/{name}: {c['errors']}"
+            if c["status"] == "skipped":
+                assert c["skip_reason"], f"{scn['name']}/{name} skipped without a reason"
+                assert name in ("torchsnapshot", "ds_save", "ds_async"), name
+                continue
+            assert c["verified"] and c["verify_runs"] >= 1, f"{scn['name']}/{name}"
+            assert c["blocked_s"] is not None and c["durable_s"] is not None
+            if c["format"] == "dcp":
+                assert c["loader"] == "dcp.load"
+            if scn["kind"] == "training":
+                assert c["slowdown_pct"] is not None
+    assert seen >= CONTENDERS
+
+
+def test_checkpoints_are_cleaned_up(quick_run: Path) -> None:
+    leftovers = list((quick_run / "ckpt").rglob(".metadata"))
+    assert not leftovers, leftovers[:5]

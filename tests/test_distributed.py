@@ -1,0 +1,198 @@
+"""Two ranks over gloo: DTensor shards (uneven, empty, replicated), resharding on load, and
+DDP / FSDP2 loops that save every iteration with async_save, each checkpoint checked against a
+snapshot of its step."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, zeros_like_state
+from dist_utils import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return {
+        "uneven": torch.randn(3, 4, generator=g),  # Shard(0) on 2 ranks: 2 rows + 1 row
+        "one_row": torch.randn(1, 5, generator=g),  # Shard(0): rank 1's shard is empty
+        "cols": torch.randn(6, 7, generator=g).to(torch.bfloat16),  # Shard(1): 4 + 3 columns
+        "replicated": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "plain": torch.randn(10, generator=g),  # a plain tensor on every rank: deduplicated
+    }
+
+
+def _dtensor_body(rank: int, world: int, root: str, mode: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dcp_datastates import DataStatesWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    sd: dict[str, Any] = {
+        "uneven": distribute_tensor(full["uneven"], mesh, [Shard(0)]),
+        "one_row": distribute_tensor(full["one_row"], mesh, [Shard(0)]),
+        "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+        "replicated": distribute_tensor(full["replicated"], mesh, [Replicate()]),
+        "plain": full["plain"].clone(),
+        "meta": {"step": 11, "name": "rank-agnostic"},
+    }
+    pg = dist.new_group(backend="gloo")
+    w = DataStatesWriter(
+        root, host_cache_size="1MiB", chunk_size="16KiB", prefault=False, capture="lazy"
+    )
+    if mode == "async":
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=root, process_group=pg).result()
+    else:
+        dcp.save(sd, storage_writer=w, checkpoint_id=root, process_group=pg)
+    w.close()
+    dist.barrier()
+    # Load back with other placements: everything replicated, and columns sharded by rows.
+    dest = {
+        "uneven": distribute_tensor(torch.zeros(3, 4), mesh, [Replicate()]),
+        "one_row": distribute_tensor(torch.zeros(1, 5), mesh, [Replicate()]),
+        "cols": distribute_tensor(torch.zeros(6, 7, dtype=torch.bfloat16), mesh, [Shard(0)]),
+        "replicated": distribute_tensor(torch.zeros(3, 4, dtype=torch.int64), mesh, [Shard(1)]),
+        "plain": torch.zeros(10),
+        "meta": {"step": 0, "name": ""},
+    }
+    dcp.load(dest, checkpoint_id=root, process_group=pg)
+    for k in ("uneven", "one_row", "cols", "replicated"):
+        assert torch.equal(dest[k].full_tensor(), full[k]), k
+    assert torch.equal(dest["plain"], full["plain"])
+    assert dest["meta"]["step"] == 11
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dtensor_shards_and_resharding(tmp_path: Any, mode: str) -> None:
+    root = str(tmp_path / "ckpt")
+    run_ranks(_dtensor_body, root, mode, tmp_path=tmp_path, timeout_s=120)
+    # And in one process, without any process group, into plain tensors.
+    full = full_tensors()
+    dest: dict[str, Any] = {k: torch.zeros_like(v) for k, v in full.items()}
+    dest["meta"] = {"step": 0, "name": ""}
+    dcp.load(dest, checkpoint_id=root, no_dist=True)
+    for k, v in full.items():
+        assert torch.equal(dest[k], v), k
+    from dcp_datastates import verify_checkpoint
+
+    rep = verify_checkpoint(root)
+    assert rep.ok and rep.ranks == 2, rep.summary()
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _every_iteration_body(rank: int, world: int, root: str, kind: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dcp_datastates import DataStatesWriter
+
+    torch.manual_seed(0)
+    model = Tiny()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped: torch.nn.Module = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.a)
+        fully_shard(model)
+        wrapped = model
+    opt = torch.optim.Adam(wrapped.parameters(), lr=1e-2)
+    ckpt_pg = dist.new_group(backend="gloo")
+    w = DataStatesWriter(root, host_cache_size="256KiB", chunk_size="8KiB", prefault=False)
+    w.protect(opt)
+    w.engine.set_delays(1000, 2000, seed=rank)
+    gen = torch.Generator().manual_seed(rank)
+    futs = []
+    for step in range(6):
+        x = torch.randn(8, 16, generator=gen)
+        wrapped(x).pow(2).mean().backward()
+        opt.step()  # waits for the previous save's copies
+        opt.zero_grad()
+        msd, osd = get_state_dict(wrapped, opt)
+        state = {"model": msd, "optim": osd, "step": step}
+        # The synchronous reference snapshot of this step, on this rank.
+        torch.save(copy.deepcopy(state), f"{root}/ref-{step}-rank{rank}.pt")
+        futs.append(
+            dcp.async_save(
+                state, storage_writer=w, checkpoint_id=f"{root}/step-{step}", process_group=ckpt_pg
+            )
+        )
+    for f in futs:
+        f.result()
+    w.close()
+    dist.barrier()
+    for step in range(6):
+        ref = torch.load(f"{root}/ref-{step}-rank{rank}.pt", weights_only=False)
+        out = zeros_like_state_dist(ref)
+        dcp.load(out, checkpoint_id=f"{root}/step-{step}", process_group=ckpt_pg)
+        assert_local_equal(ref, out, f"step {step} rank {rank}")
+
+
+def zeros_like_state_dist(sd: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(sd, DTensor):
+        return DTensor.from_local(
+            torch.zeros_like(sd.to_local()),
+            sd.device_mesh,
+            sd.placements,
+            shape=sd.shape,
+            stride=sd.stride(),
+        )
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: zeros_like_state_dist(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like_state_dist(v) for v in sd]
+    return copy.deepcopy(sd)
+
+
+def assert_local_equal(a: Any, b: Any, where: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(a, DTensor):
+        assert torch.equal(a.to_local(), b.to_local()), where
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        for k in a:
+            assert_local_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        for x, y in zip(a, b, strict=True):
+            assert_local_equal(x, y, where)
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_save_every_iteration_two_ranks(tmp_path: Any, kind: str) -> None:
+    root = str(tmp_path / "run")
+    import os
+
+    os.makedirs(root)
+    run_ranks(_every_iteration_body, root, kind, tmp_path=tmp_path, timeout_s=180)
+
+
+def test_zeros_like_helper_sanity() -> None:
+    sd = {"a": torch.ones(2), "b": [torch.ones(1), 3]}
+    z = zeros_like_state(sd)
+    assert_state_equal(z, {"a": torch.zeros(2), "b": [torch.zeros(1), 3]})
