@@ -28,6 +28,7 @@ the resume demo.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import hashlib
 import math
@@ -260,6 +261,9 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+MAX_IN_FLIGHT = 2
+
+
 class Checkpointer:
     """Issues saves, finalises them (latest + prune) and prints their telemetry."""
 
@@ -277,13 +281,16 @@ class Checkpointer:
         self.rank = rank
         self.no_dist = pg is None
         self.policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
-        self.pending: PendingSave | None = None
+        # Saves in flight, oldest first. The writer runs them one after another in the
+        # background; we only wait when more than MAX_IN_FLIGHT are queued.
+        self.pending: collections.deque[PendingSave] = collections.deque()
         self.total_blocked_s = 0.0
         self.saves = 0
 
     def save(self, state: dict[str, Any], step: int) -> None:
-        if self.pending is not None:
-            self.finalize(wait=True)  # one save in flight at a time
+        self.poll()
+        while len(self.pending) >= MAX_IN_FLIGHT:
+            self.finalize(wait=True)  # bound the queue: wait for the oldest save
         path = self.root / f"step-{step}"
         t0 = time.perf_counter()
         fut: Future[Any] | None = None
@@ -315,25 +322,25 @@ class Checkpointer:
                 p.t_done = time.perf_counter()
 
             fut.add_done_callback(mark_done)
-        self.pending = pending
+        self.pending.append(pending)
         self.saves += 1
         if fut is None:
             self.finalize(wait=True)
 
     def poll(self) -> None:
         """Finalise the in-flight save if it is already durable (cheap, non-blocking)."""
-        if self.pending is not None and (self.pending.future is None or self.pending.future.done()):
+        while self.pending and (self.pending[0].future is None or self.pending[0].future.done()):
             self.finalize(wait=True)
 
     def finalize(self, *, wait: bool, at_exit: bool = False) -> None:
-        """Wait for the pending save (re-raising its error), move latest, prune, report.
+        """Wait for the oldest pending save (re-raising its error), move latest, prune, report.
 
         A wait before the next save blocks training and is counted as such; the wait at
         exit (``at_exit``) is not.
         """
-        p = self.pending
-        if p is None:
+        if not self.pending:
             return
+        p = self.pending[0]
         if p.future is not None:
             if not p.future.done():
                 if not wait:
@@ -343,10 +350,10 @@ class Checkpointer:
                 waited = time.perf_counter() - t0
                 if not at_exit:
                     self.total_blocked_s += waited
-                why = "before exit" if at_exit else "before the next save"
+                why = "before exit" if at_exit else "to bound the saves in flight"
                 log(self.rank, f"  waited {waited:.3f}s for step-{p.step} to be durable {why}")
             p.future.result()
-        self.pending = None
+        self.pending.popleft()
         if self.rank == 0:
             update_latest(self.root, p.path.name)
             removed = prune(self.root, self.policy)
@@ -532,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-    ckpt.finalize(wait=True, at_exit=True)  # the last save must be durable before we exit
+    while ckpt.pending:  # every save must be durable before we exit
+        ckpt.finalize(wait=True, at_exit=True)
     elapsed = time.perf_counter() - t_train
 
     final_loss = loss.item()
