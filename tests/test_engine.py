@@ -1,0 +1,142 @@
+"""The native engine through its binding: checksums, GIL release, lifetimes, shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dcp_datastates import _core
+from dcp_datastates.layout import FileLayout, build_template
+
+
+def test_crc32c_known_vectors() -> None:
+    assert _core.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert _core.crc32c(b"") == 0
+    data = np.random.default_rng(0).integers(0, 255, 1_000_003, dtype=np.uint8).tobytes()
+    whole = _core.crc32c(data)
+    assert _core.crc32c(data[500_000:], _core.crc32c(data[:500_000])) == whole  # incremental
+    assert whole != zlib.crc32(data)  # it is Castagnoli, not the zip polynomial
+
+
+def test_blocking_waits_release_the_gil(tmp_path: Any) -> None:
+    eng = _core.Engine(cache_bytes=1 << 20, prefault=False)
+    src = torch.ones(10_000)
+    job = eng.create_job("gil")
+    eng.add_entry(job, "t", src.data_ptr(), src.numel() * 4)
+    eng.pause_copies(True)
+    eng.start_copies(job)
+    waiter = threading.Thread(target=eng.wait_captured, args=(job,))
+    waiter.start()
+    n = 0
+    t_end = time.perf_counter() + 0.3
+    while time.perf_counter() < t_end:
+        n += 1  # Python work while the waiter blocks in native code
+    assert waiter.is_alive()
+    assert n > 10_000, "the waiting thread held the GIL"
+    eng.pause_copies(False)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    eng.forget(job)
+    eng.close()
+
+
+def test_close_with_unfinished_jobs_does_not_hang() -> None:
+    eng = _core.Engine(cache_bytes=64 * 1024, chunk_bytes=16 * 1024, prefault=False)
+    src = torch.ones(100_000)  # 400 kB through a 64 KiB cache, never placed: copies block
+    job = eng.create_job("stuck")
+    eng.add_entry(job, "t", src.data_ptr(), src.numel() * 4)
+    eng.start_copies(job)
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    eng.close()
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(_core.EngineError, match="closed"):
+        eng.create_job("after")
+
+
+def test_job_errors_are_latched_and_raised(tmp_path: Any) -> None:
+    eng = _core.Engine(cache_bytes=1 << 20, prefault=False)
+    src = torch.arange(1000, dtype=torch.float32)
+    job = eng.create_job("bad")
+    e = eng.add_entry(job, "weights", src.data_ptr(), 4000)
+    eng.start_copies(job)
+    eng.wait_captured(job)
+    f = eng.open_file(job, str(tmp_path / "data.bin"))
+    eng.abort(job, "stopped by the test")
+    with pytest.raises(_core.EngineError, match="stopped by the test"):
+        eng.place(job, e, f, 0, b"", b"")
+    with pytest.raises(_core.EngineError, match="stopped by the test"):
+        eng.wait_done(job)
+    assert eng.counters()["cache_used_bytes"] == 0
+    with pytest.raises(_core.EngineError, match="unknown save job"):
+        eng.wait_done(job + 100)
+    eng.forget(job)
+    with pytest.raises(_core.EngineError, match="cannot create"):
+        j2 = eng.create_job("nodir")
+        eng.open_file(j2, str(tmp_path / "missing-dir" / "x"))
+    eng.close()
+
+
+def test_engine_writes_exact_bytes_with_header_and_trailer(tmp_path: Any) -> None:
+    eng = _core.Engine(cache_bytes=64 * 1024, chunk_bytes=8192, copy_threads=2, flush_threads=3,
+                       prefault=False)
+    payload = np.random.default_rng(1).integers(0, 255, 100_000, dtype=np.uint8)
+    job = eng.create_job("bytes")
+    e = eng.add_entry(job, "p", payload.ctypes.data, payload.nbytes)
+    eng.start_copies(job)
+    f = eng.open_file(job, str(tmp_path / "out.bin"))
+    eng.place(job, e, f, 10, b"HEADERXXXX", b"TRAILER")
+    eng.write_bytes(job, f, 0, b"0123456789"[:0])  # an empty raw write is harmless
+    eng.seal(job)
+    eng.wait_done(job)
+    recs = eng.chunk_records(job)
+    assert sum(r[5] for r in recs) == payload.nbytes and len(recs) == 13
+    raw = (tmp_path / "out.bin").read_bytes()
+    assert raw[:10] == b"HEADERXXXX" and raw[-7:] == b"TRAILER"
+    assert raw[10:-7] == payload.tobytes()
+    for _e, _c, _f, off, _eo, n, crc in recs:
+        assert _core.crc32c(raw[off : off + n]) == crc
+    eng.forget(job)
+    eng.close()
+
+
+def test_two_engines_in_one_process_are_independent() -> None:
+    a = _core.Engine(cache_bytes=1 << 20, prefault=False)
+    b = _core.Engine(cache_bytes=1 << 20, prefault=False)
+    ja = a.create_job("a")
+    a.abort(ja, "only a")
+    jb = b.create_job("b")
+    b.start_copies(jb)
+    assert b.wait_captured(jb)
+    a.close()
+    assert b.wait_captured(jb)
+    b.forget(jb)
+    b.close()
+
+
+def test_archive_template_matches_torch_save() -> None:
+    import io
+
+    for dtype, shape in [(torch.float32, (3, 4)), (torch.bfloat16, ()), (torch.bool, (0, 2))]:
+        t = torch.ones(shape, dtype=dtype)
+        tmpl = build_template(dtype, shape)
+        blob = tmpl.prefix + t.numpy().tobytes() if dtype != torch.bfloat16 else None
+        if blob is None:
+            blob = tmpl.prefix + t.view(torch.int16).numpy().tobytes()
+        back = torch.load(io.BytesIO(blob + tmpl.suffix), weights_only=True)
+        assert torch.equal(back, t)
+
+
+def test_file_layout_alignment() -> None:
+    lay = FileLayout(2, payload_align=4096)
+    tmpl = build_template(torch.float32, (1000,))
+    for _ in range(5):
+        f, start, payload = lay.place_tensor(tmpl)
+        assert payload % 4096 == 0 and payload - start == len(tmpl.prefix)
+    assert abs(lay.sizes[0] - lay.sizes[1]) <= tmpl.total_bytes + 4096
