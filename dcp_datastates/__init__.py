@@ -17,6 +17,7 @@ from .errors import (
     DataStatesError,
     IntegrityError,
 )
+from .load import load
 from .planner import DataStatesSavePlanner
 from .verify import VerifyReport, verify_checkpoint
 from .writer import DataStatesWriter, ProtectHandle
@@ -36,6 +37,7 @@ __all__ = [
     "ProtectHandle",
     "VerifyReport",
     "WriterConfig",
+    "load",
     "parse_size",
     "verify_checkpoint",
 ]
