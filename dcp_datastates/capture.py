@@ -55,6 +55,7 @@ class CapturedTensor:
     shape: tuple[int, ...]
     lazy: bool
     version: int  # source._version at save time (lazy only)
+    direct: bool = False  # flushed from `source` itself (kept alive until the job is done)
 
 
 @dataclass
@@ -89,11 +90,16 @@ class SaveJob:
     def lookup(self, staged_obj: Any) -> CapturedTensor | None:
         return self.by_staged_id.get(id(staged_obj))
 
-    def release_sources(self) -> None:
-        """Drops the references to source tensors once the engine no longer reads them."""
+    def release_sources(self, done: bool = False) -> None:
+        """Drops the references to sources the engine no longer reads.
+
+        After capture that is every copied source; direct sources are read until the job is done.
+        """
         for t in self.tensors:
-            t.source = _RELEASED
-        self.keepalive.clear()
+            if done or not t.direct:
+                t.source = _RELEASED
+        if done:
+            self.keepalive.clear()
 
     def modified_tensors(self) -> list[str]:
         """Names of lazy tensors whose version counter moved since the save call."""
@@ -192,7 +198,7 @@ class Stager:
         """
         _validate(name, tensor)
         source = tensor.detach().resolve_conj().resolve_neg().contiguous()
-        return self._register(job, name, source, source, lazy=False)
+        return self._register(job, name, source, source, lazy=False, direct=True)
 
     # -- internals -------------------------------------------------------------------------
     def _walk(self, obj: Any, path: str, job: SaveJob, protected: set[int]) -> Any:
@@ -250,15 +256,23 @@ class Stager:
                 shape=t.shape,
                 stride=t.stride(),
             )
-        self._register(job, name, staged, source, lazy)
+        # A clone is private to this save: flush it from where it is, no copy into the cache.
+        self._register(job, name, staged, source, lazy, direct=not lazy and source is not local)
         return staged
 
     def _register(
-        self, job: SaveJob, name: str, staged: Any, source: torch.Tensor, lazy: bool
+        self,
+        job: SaveJob,
+        name: str,
+        staged: Any,
+        source: torch.Tensor,
+        lazy: bool,
+        direct: bool = False,
     ) -> CapturedTensor:
         nbytes = source.numel() * source.element_size()
         device = -1
         event = 0
+        direct = direct and source.device.type == "cpu"
         if source.device.type == "cuda":
             self._engine.enable_cuda()
             device = source.device.index if source.device.index is not None else 0
@@ -267,7 +281,7 @@ class Stager:
             job.keepalive.append(ev)
             event = int(ev.cuda_event)
         entry = self._engine.add_entry(
-            job.engine_job, name, source.data_ptr() if nbytes else 0, nbytes, device, event
+            job.engine_job, name, source.data_ptr() if nbytes else 0, nbytes, device, event, direct
         )
         cap = CapturedTensor(
             name=name,
@@ -279,6 +293,7 @@ class Stager:
             shape=tuple(source.shape),
             lazy=lazy,
             version=source._version,
+            direct=direct,
         )
         job.tensors.append(cap)
         job.by_staged_id[id(staged)] = cap

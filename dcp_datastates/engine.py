@@ -103,10 +103,19 @@ class Engine:
         return int(self._core.create_job(label))
 
     def add_entry(
-        self, job: int, name: str, src: int, nbytes: int, device: int = -1, ready_event: int = 0
+        self,
+        job: int,
+        name: str,
+        src: int,
+        nbytes: int,
+        device: int = -1,
+        ready_event: int = 0,
+        direct: bool = False,
     ) -> int:
+        """Registers a source; ``direct`` (host memory private to the save, valid until the job
+        is done) is flushed from where it is instead of being copied into the cache."""
         with translate_errors(f"cannot register '{name}'"):
-            return int(self._core.add_entry(job, name, src, nbytes, device, ready_event))
+            return int(self._core.add_entry(job, name, src, nbytes, device, ready_event, direct))
 
     def start_copies(self, job: int) -> None:
         with translate_errors("cannot start copies"):
@@ -141,6 +150,7 @@ class Engine:
         return int(self._core.chunk_count(job, entry))
 
     def wait_chunk(self, job: int, entry: int, chunk: int) -> tuple[int, int]:
+        """Waits until the chunk has landed; returns (address of its bytes, bytes)."""
         with translate_errors("save failed"):
             off, n = self._core.wait_chunk(job, entry, chunk)
         return int(off), int(n)

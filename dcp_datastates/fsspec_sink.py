@@ -12,6 +12,7 @@ Runs in the DCP save thread (``write_data``); blocking waits release the GIL.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,6 @@ def write_sequential(
     files it writes itself.
     """
     records: list[tuple[int, int, int, int, int]] = []
-    view = engine.cache_view()
     pos = 0
     with fs.open(path, "wb") as f:
         for it in sorted(items, key=lambda i: i.offset):
@@ -54,8 +54,8 @@ def write_sequential(
             f.write(it.prefix)
             pos += len(it.prefix)
             for c in range(engine.chunk_count(job, it.entry)):
-                off, n = engine.wait_chunk(job, it.entry, c)
-                chunk = view[off : off + n]
+                addr, n = engine.wait_chunk(job, it.entry, c)
+                chunk = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
                 crc = _core.crc32c(chunk)
                 f.write(chunk)
                 records.append((it.entry, c, pos, n, crc))

@@ -684,6 +684,7 @@ class DataStatesWriter(StorageWriter):
         with job.lock:
             job.finished = True
             self._engine.forget(job.engine_job)
+            job.release_sources(done=True)
         self._record_stats(job, ctx.rank, st)
         if job.adhoc:
             self._drop_job(job)  # dcp.save: its caller is the only one waiting
@@ -700,7 +701,7 @@ class DataStatesWriter(StorageWriter):
             st = self._engine.stats(job.engine_job)
             self._engine.forget(job.engine_job)  # waits until no native thread holds its chunks
             job.finished = True
-            job.release_sources()
+            job.release_sources(done=True)
         self._record_stats(job, job.rank, st)
         with self._lock:
             if not job.error_reported:

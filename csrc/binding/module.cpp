@@ -152,11 +152,11 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("add_entry",
            [](EngineHandle& h, std::uint64_t job, const std::string& name, std::uintptr_t src,
-              std::size_t bytes, int device, std::uintptr_t ready_event) {
-             return h.get().add_entry(job, name, src, bytes, device, ready_event);
+              std::size_t bytes, int device, std::uintptr_t ready_event, bool direct) {
+             return h.get().add_entry(job, name, src, bytes, device, ready_event, direct);
            },
            py::arg("job"), py::arg("name"), py::arg("src"), py::arg("bytes"),
-           py::arg("device") = -1, py::arg("ready_event") = 0)
+           py::arg("device") = -1, py::arg("ready_event") = 0, py::arg("direct") = false)
       .def("start_copies", [](EngineHandle& h, std::uint64_t job) { h.get().start_copies(job); })
       .def("open_file",
            [](EngineHandle& h, std::uint64_t job, const std::string& path) {

@@ -93,7 +93,7 @@ void Engine::fail_locked(Job& job, const std::string& message) {
         c.state = ChunkState::kSkipped;
         --job.outstanding;
       } else if (c.state == ChunkState::kLanded) {
-        finish_chunk_locked(job, c, ChunkState::kSkipped);
+        finish_chunk_locked(job, e, c, ChunkState::kSkipped);
       }
     }
   }
@@ -111,8 +111,13 @@ void Engine::resolve_copy_locked(Job& job, Chunk& chunk) {
   }
 }
 
-void Engine::finish_chunk_locked(Job& job, Chunk& chunk, ChunkState to) {
-  ring_.release(chunk.cache_offset);
+std::uint8_t* Engine::chunk_data(const Entry& e, const Chunk& c) const {
+  if (e.direct) return reinterpret_cast<std::uint8_t*>(e.src) + c.entry_offset;
+  return cache_.data() + c.cache_offset;
+}
+
+void Engine::finish_chunk_locked(Job& job, Entry& entry, Chunk& chunk, ChunkState to) {
+  if (!entry.direct) ring_.release(chunk.cache_offset);
   chunk.state = to;
   --job.outstanding;
 }
@@ -153,7 +158,8 @@ std::uint64_t Engine::create_job(const std::string& label) {
 }
 
 std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, std::uintptr_t src,
-                                std::size_t bytes, int device, std::uintptr_t ready_event) {
+                                std::size_t bytes, int device, std::uintptr_t ready_event,
+                                bool direct) {
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -167,6 +173,8 @@ std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, s
   e.bytes = bytes;
   e.device = device;
   e.ready_event = ready_event;
+  DCPDS_CHECK(!direct || device < 0, "entry '" + name + "': only host memory can be flushed directly");
+  e.direct = direct;
   for (std::size_t off = 0; off < bytes; off += chunk_bytes_) {
     Chunk c;
     c.entry_offset = off;
@@ -191,9 +199,19 @@ void Engine::start_copies(std::uint64_t job_id) {
         e.chunks[ci].state = ChunkState::kSkipped;
         continue;
       }
+      ++job.outstanding;
+      if (e.direct) {
+        // Nothing to copy: the chunk is "landed" where it is.
+        e.chunks[ci].state = ChunkState::kLanded;
+        job.stats.bytes_copied += e.chunks[ci].bytes;
+        if (e.placement == Placement::kFile) {
+          e.chunks[ci].state = ChunkState::kFlushing;
+          enqueue_flush_locked(FlushTask{FlushKind::kChunk, job_id, ei, ci});
+        }
+        continue;
+      }
       copy_queue_.push_back(CopyTask{job_id, ei, ci});
       ++job.uncaptured;
-      ++job.outstanding;
     }
   }
   if (job.uncaptured == 0 && !job.captured) {
@@ -319,7 +337,7 @@ void Engine::copy_loop(int /*index*/) {
         c.state = ChunkState::kLanded;
         if (!error.empty()) fail_locked(*job, error);
         if (job->failed.load() || e.placement == Placement::kSkip) {
-          if (c.state == ChunkState::kLanded) finish_chunk_locked(*job, c, ChunkState::kSkipped);
+          if (c.state == ChunkState::kLanded) finish_chunk_locked(*job, e, c, ChunkState::kSkipped);
         } else {
           job->stats.bytes_copied += c.bytes;
           if (e.placement == Placement::kFile) {
@@ -410,7 +428,7 @@ void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
       c.state = ChunkState::kSkipped;
       --job.outstanding;
     } else if (c.state == ChunkState::kLanded) {
-      finish_chunk_locked(job, c, ChunkState::kSkipped);
+      finish_chunk_locked(job, e, c, ChunkState::kSkipped);
     }
   }
   maybe_finalize_locked(job);
@@ -450,7 +468,7 @@ void Engine::seal(std::uint64_t job_id) {
           c.state = ChunkState::kSkipped;
           --job.outstanding;
         } else if (c.state == ChunkState::kLanded) {
-          finish_chunk_locked(job, c, ChunkState::kSkipped);
+          finish_chunk_locked(job, e, c, ChunkState::kSkipped);
         }
       }
     }
@@ -487,7 +505,7 @@ std::pair<std::size_t, std::size_t> Engine::wait_chunk(std::uint64_t job_id, std
   const Chunk& c = job.entries[entry].chunks[chunk];
   DCPDS_CHECK(c.state == ChunkState::kLanded, "chunk of '" + job.entries[entry].name +
                                                   "' was already released");
-  return {c.cache_offset, c.bytes};
+  return {reinterpret_cast<std::size_t>(chunk_data(job.entries[entry], c)), c.bytes};
 }
 
 void Engine::release_chunk(std::uint64_t job_id, std::uint32_t entry, std::uint32_t chunk) {
@@ -495,10 +513,11 @@ void Engine::release_chunk(std::uint64_t job_id, std::uint32_t entry, std::uint3
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
               "unknown chunk");
-  Chunk& c = job.entries[entry].chunks[chunk];
+  Entry& e = job.entries[entry];
+  Chunk& c = e.chunks[chunk];
   if (c.state != ChunkState::kLanded) return;  // already dropped by a failure
   job.stats.bytes_written += c.bytes;
-  finish_chunk_locked(job, c, ChunkState::kDone);
+  finish_chunk_locked(job, e, c, ChunkState::kDone);
   maybe_finalize_locked(job);
   state_cv_.notify_all();
 }
@@ -517,12 +536,12 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
     Entry& e = job.entries[entry];
     Chunk& c = e.chunks[chunk];
     if (job.failed.load()) {
-      finish_chunk_locked(job, c, ChunkState::kSkipped);
+      finish_chunk_locked(job, e, c, ChunkState::kSkipped);
       maybe_finalize_locked(job);
       return;
     }
     file = job.files[e.file].get();
-    data = cache_.data() + c.cache_offset;
+    data = chunk_data(e, c);
     bytes = c.bytes;
     offset = e.payload_offset + c.entry_offset;
     if (chunk == 0) header = e.header;
@@ -549,11 +568,12 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
   }
   const double t1 = now_s();
   std::lock_guard<std::mutex> lock(mu_);
-  Chunk& c = job.entries[entry].chunks[chunk];
+  Entry& e = job.entries[entry];
+  Chunk& c = e.chunks[chunk];
   c.crc = crc;
   job.stats.flush_busy_s += t1 - t0;
   if (error.empty()) job.stats.bytes_written += bytes;
-  finish_chunk_locked(job, c, error.empty() ? ChunkState::kDone : ChunkState::kSkipped);
+  finish_chunk_locked(job, e, c, error.empty() ? ChunkState::kDone : ChunkState::kSkipped);
   if (!error.empty()) fail_locked(job, error);
   maybe_finalize_locked(job);
   state_cv_.notify_all();

@@ -106,9 +106,12 @@ class Engine {
   // --- register
   std::uint64_t create_job(const std::string& label);
   // device < 0: host memory; else a CUDA device ordinal and `ready_event` (a cudaEvent_t recorded
-  // on the producing stream, or 0) that the copy must wait for. Returns the entry index.
+  // on the producing stream, or 0) that the copy must wait for. `direct` (host memory only):
+  // the source is private to the save and stays valid until the job is done, so it is flushed
+  // from where it is, without a copy into the cache. Returns the entry index.
   std::uint32_t add_entry(std::uint64_t job, const std::string& name, std::uintptr_t src,
-                          std::size_t bytes, int device, std::uintptr_t ready_event);
+                          std::size_t bytes, int device, std::uintptr_t ready_event,
+                          bool direct = false);
   void start_copies(std::uint64_t job);  // queues the copies of every entry added so far
 
   // --- place
@@ -123,7 +126,7 @@ class Engine {
 
   // --- external consumers (the fsspec flush path): chunks in the order they were queued
   std::uint32_t chunk_count(std::uint64_t job, std::uint32_t entry);
-  // Waits until the chunk has landed; returns {cache offset, bytes}.
+  // Waits until the chunk has landed; returns {address of its bytes, bytes}.
   std::pair<std::size_t, std::size_t> wait_chunk(std::uint64_t job, std::uint32_t entry,
                                                  std::uint32_t chunk);
   void release_chunk(std::uint64_t job, std::uint32_t entry, std::uint32_t chunk);
@@ -170,6 +173,7 @@ class Engine {
     std::size_t bytes = 0;
     int device = -1;
     std::uintptr_t ready_event = 0;
+    bool direct = false;  // flushed from `src`, never copied into the cache
     std::vector<Chunk> chunks;
     bool queued = false;
     Placement placement = Placement::kNone;
@@ -214,7 +218,8 @@ class Engine {
   Job& job_locked(std::uint64_t id);
   void fail_locked(Job& job, const std::string& message);
   void resolve_copy_locked(Job& job, Chunk& chunk);   // a chunk leaves kPending/kCopying
-  void finish_chunk_locked(Job& job, Chunk& chunk, ChunkState to);  // leaves the cache
+  void finish_chunk_locked(Job& job, Entry& entry, Chunk& chunk, ChunkState to);  // leaves cache
+  std::uint8_t* chunk_data(const Entry& e, const Chunk& c) const;
   void maybe_finalize_locked(Job& job);
   void enqueue_flush_locked(const FlushTask& t);
   void check_failed_locked(const Job& job) const;
