@@ -175,6 +175,8 @@ class DataStatesWriter(StorageWriter):
         durable: fdatasync data files and fsync directories before the commit.
         prefault: touch the cache's pages up front (avoids page faults during copies).
         flush_nice: niceness added to flush threads, so copies win the CPU.
+        pin_memory: page-lock the cache with the CUDA runtime at construction (default: when
+            CUDA is available; otherwise it happens on the first save of a CUDA tensor).
     """
 
     _synchronize_after_execute: bool = False
@@ -194,6 +196,7 @@ class DataStatesWriter(StorageWriter):
         durable: bool = True,
         prefault: bool = True,
         flush_nice: int = 5,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -211,6 +214,14 @@ class DataStatesWriter(StorageWriter):
             flush_nice=flush_nice,
         )
         self._engine = Engine(self.config)
+        if pin_memory or (pin_memory is None and torch.cuda.is_available()):
+            # Page-lock the cache now rather than on the first CUDA save (cudaHostRegister of a
+            # large cache takes time). Without a CUDA runtime in the process this raises.
+            try:
+                self._engine.enable_cuda()
+            except CheckpointSaveError:
+                self._engine.close()
+                raise
         self._stager = Stager(self._engine, self.config.capture)
         self._templates = TemplateCache()
         self._lock = threading.RLock()
