@@ -86,17 +86,7 @@ void Engine::fail_locked(Job& job, const std::string& message) {
   job.stats.failed = true;
   job.failed.store(true);
   // Drop every chunk no worker holds: pending copies and landed chunks.
-  for (auto& e : job.entries) {
-    for (auto& c : e.chunks) {
-      if (c.state == ChunkState::kPending && e.queued) {
-        resolve_copy_locked(job, c);
-        c.state = ChunkState::kSkipped;
-        --job.outstanding;
-      } else if (c.state == ChunkState::kLanded) {
-        finish_chunk_locked(job, e, c, ChunkState::kSkipped);
-      }
-    }
-  }
+  for (auto& e : job.entries) drop_chunks_locked(job, e);
   // Queued raw writes and finalize tasks see the flag and count themselves out.
   maybe_finalize_locked(job);
   ring_.notify_waiters();
@@ -120,6 +110,19 @@ void Engine::finish_chunk_locked(Job& job, Entry& entry, Chunk& chunk, ChunkStat
   if (!entry.direct) ring_.release(chunk.cache_offset);
   chunk.state = to;
   --job.outstanding;
+}
+
+void Engine::drop_chunks_locked(Job& job, Entry& e) {
+  // Chunks a worker holds (copying, flushing) are dropped by that worker when it is done.
+  for (auto& c : e.chunks) {
+    if (c.state == ChunkState::kPending && e.queued) {
+      resolve_copy_locked(job, c);
+      c.state = ChunkState::kSkipped;
+      --job.outstanding;
+    } else if (c.state == ChunkState::kLanded) {
+      finish_chunk_locked(job, e, c, ChunkState::kSkipped);
+    }
+  }
 }
 
 void Engine::maybe_finalize_locked(Job& job) {
@@ -422,15 +425,7 @@ void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
   if (e.placement == Placement::kSkip) return;
   DCPDS_CHECK(e.placement == Placement::kNone, "entry '" + e.name + "' is already placed");
   e.placement = Placement::kSkip;
-  for (auto& c : e.chunks) {
-    if (c.state == ChunkState::kPending && e.queued) {
-      resolve_copy_locked(job, c);
-      c.state = ChunkState::kSkipped;
-      --job.outstanding;
-    } else if (c.state == ChunkState::kLanded) {
-      finish_chunk_locked(job, e, c, ChunkState::kSkipped);
-    }
-  }
+  drop_chunks_locked(job, e);
   maybe_finalize_locked(job);
   state_cv_.notify_all();
 }
@@ -462,15 +457,7 @@ void Engine::seal(std::uint64_t job_id) {
       for (auto& c : e.chunks) c.state = ChunkState::kSkipped;
     } else if (e.placement == Placement::kNone) {
       e.placement = Placement::kSkip;
-      for (auto& c : e.chunks) {
-        if (c.state == ChunkState::kPending) {
-          resolve_copy_locked(job, c);
-          c.state = ChunkState::kSkipped;
-          --job.outstanding;
-        } else if (c.state == ChunkState::kLanded) {
-          finish_chunk_locked(job, e, c, ChunkState::kSkipped);
-        }
-      }
+      drop_chunks_locked(job, e);
     }
   }
   job.sealed = true;

@@ -220,6 +220,7 @@ class Engine {
   void resolve_copy_locked(Job& job, Chunk& chunk);   // a chunk leaves kPending/kCopying
   void finish_chunk_locked(Job& job, Entry& entry, Chunk& chunk, ChunkState to);  // leaves cache
   std::uint8_t* chunk_data(const Entry& e, const Chunk& c) const;
+  void drop_chunks_locked(Job& job, Entry& e);  // pending and landed chunks leave the job
   void maybe_finalize_locked(Job& job);
   void enqueue_flush_locked(const FlushTask& t);
   void check_failed_locked(const Job& job) const;
