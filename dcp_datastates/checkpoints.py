@@ -180,6 +180,14 @@ def _state_of(path: Path) -> CheckpointState:
         return CheckpointState.COMPLETE
     if (path / INCOMPLETE_MARKER).exists():
         return CheckpointState.PARTIAL
+    # A save killed between creating the directory and its marker leaves it empty (or holding
+    # only the marker's temporary file): nothing a checkpoint needs, so it is partial too.
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError:
+        return CheckpointState.UNKNOWN
+    if names <= {f"{INCOMPLETE_MARKER}.tmp"}:
+        return CheckpointState.PARTIAL
     return CheckpointState.UNKNOWN
 
 

@@ -78,7 +78,21 @@ class CheckpointDir:
         meta = self.join(METADATA_FILE)
         if self.fs.exists(meta):
             self.fs.rm_file(meta)
-        self.write_atomic(INCOMPLETE_MARKER, str(os.getpid()).encode(), durable)
+        # The marker is created in place (its presence is all that matters), not renamed in.
+        marker = self.join(INCOMPLETE_MARKER)
+        if self.local:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if durable:
+                fsync_dir(self.path)
+        else:
+            with self.fs.open(marker, "wb") as f:
+                f.write(str(os.getpid()).encode())
 
     def ensure_exists(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)

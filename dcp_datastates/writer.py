@@ -9,7 +9,7 @@ call                        thread / ranks  what happens here
                                             engine job, copies start; returns at once
 ``reset(checkpoint_id)``    save thread     a new per-thread save context for that path
 ``storage_meta()``          save thread     checkpoint id and a fresh save id
-``set_up_storage_writer``   save thread     rank and coordinator role recorded; dir created
+``set_up_storage_writer``   save thread     rank and role recorded; waits for earlier saves
 ``prepare_local_plan``      all             unchanged
 ``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed;
                                             in-progress marker written

@@ -16,7 +16,7 @@ make safe.
 Starting a Python interpreter with torch takes seconds here, so besides running one trial in a
 fresh interpreter (``run``), the script is a fork server (``serve``): it imports torch and the
 package once, then forks one child per trial. The parent kills the forked child, not the server.
-The server creates no writer and runs no tensor op before forking (no native threads to lose).
+The server creates no writer and starts no thread before forking (checked in :func:`warm_up`).
 
 Protocol of ``serve`` (one line per message; the server's stdout is the reply channel, a forked
 child never writes to it):
@@ -25,8 +25,10 @@ child never writes to it):
     parent -> server: ``reap PID``             server -> parent: ``status EXITCODE``
     parent -> server: ``quit``
 
+``serve TMPDIR`` warms up first (see :func:`warm_up`), writing a scratch checkpoint in TMPDIR.
+
 ``run ROOT TRIAL SEED`` on the command line runs one trial in this process; it prints
-``started`` to stdout once the imports are done (the parent times the kill from there).
+``started`` to stdout once the slow imports are done (the parent times the kill from there).
 
 A trial that is not killed stops after ``MAX_SAVES`` saves and exits 0; any exception exits 1
 with a traceback on stderr.
@@ -106,9 +108,9 @@ def run_trial(root: str, trial: int, seed: int) -> None:
                 t.copy_(new[name])  # training-like in-place mutation, after the barrier
         sd = {"model": dict(params), "step": n}
         if rng.random() < ASYNC_FRACTION:
-            pending.append(
-                dcp.async_save(sd, storage_writer=writer, checkpoint_id=checkpoint_dir(root, n))
-            )
+            fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=checkpoint_dir(root, n))
+            assert isinstance(fut, Future)  # stage() returns a dict: a plain upload future
+            pending.append(fut)
         else:
             dcp.save(sd, storage_writer=writer, checkpoint_id=checkpoint_dir(root, n))
         for f in [f for f in pending if f.done()]:
@@ -119,8 +121,28 @@ def run_trial(root: str, trial: int, seed: int) -> None:
     writer.close()
 
 
-def serve() -> None:
+def warm_up(tmp_root: str) -> None:
+    """Pays the one-time costs before forking, so a trial starts saving within milliseconds.
+
+    The first optimizer imports torch._dynamo (~1 s) and the first save imports DCP's planner
+    machinery. Uses FileSystemWriter (single-threaded) and tiny tensors: the server must still
+    be a single thread when it forks (checked).
+    """
+    warnings.filterwarnings("ignore")
+    torch.optim.SGD([torch.zeros(1)], lr=0.0)
+    sd = {"t": torch.zeros(4), "step": 0}
+    path = os.path.join(tmp_root, "warm-up")
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=1), checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=path)
+    content(0)
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        raise SystemExit(f"crash_child: the fork server has {threads} threads after warm-up")
+
+
+def serve(tmp_root: str) -> None:
     """The fork server loop (see the module docstring)."""
+    warm_up(tmp_root)
     out = sys.stdout
     for line in sys.stdin:
         cmd = line.split()
@@ -153,10 +175,11 @@ def serve() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["serve"]:
-        serve()
+    if len(argv) == 2 and argv[0] == "serve":
+        serve(argv[1])
         return 0
     if len(argv) == 4 and argv[0] == "run":
+        torch.optim.SGD([torch.zeros(1)], lr=0.0)  # imports torch._dynamo (~1 s) first
         print("started", flush=True)
         run_trial(argv[1], int(argv[2]), int(argv[3]))
         return 0
