@@ -239,14 +239,19 @@ class Stager:
                 and local.numel() > 0
                 and local.untyped_storage().data_ptr() in protected
             )
+        snapshot_now = False
         if lazy:
             source = local
         else:
             source = local.resolve_conj().resolve_neg().contiguous()
             if source.numel() > 0 and source.data_ptr() == local.data_ptr():
-                source = source.clone()
+                # Already contiguous: snapshot it straight into the host cache if there is room
+                # (no allocation); else fall back to a clone below.
+                snapshot_now = source.device.type == "cpu"
+                if not snapshot_now:
+                    source = source.clone()
         # A fresh object per save (the detached alias or the clone): the identity key.
-        staged: torch.Tensor = source if not lazy else local
+        staged: torch.Tensor = local if lazy or snapshot_now else source
         if is_dtensor:
             staged = DTensor.from_local(
                 staged,
@@ -256,6 +261,13 @@ class Stager:
                 shape=t.shape,
                 stride=t.stride(),
             )
+        if snapshot_now:
+            cap = self._register(job, name, staged, source, lazy=False)
+            if not self._engine.capture_now(job.engine_job, cap.entry):
+                clone = source.clone()
+                self._engine.retarget(job.engine_job, cap.entry, clone.data_ptr(), direct=True)
+                cap.source, cap.direct = clone, True
+            return staged
         # A clone is private to this save: flush it from where it is, no copy into the cache.
         self._register(job, name, staged, source, lazy, direct=not lazy and source is not local)
         return staged

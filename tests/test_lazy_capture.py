@@ -117,13 +117,24 @@ def test_in_place_modification_before_capture_fails_the_save(
     assert bool((out["weights"] == 1).all())
 
 
-def test_auto_capture_without_protect_is_exact(tmp_path: Any, writer_factory: Any) -> None:
-    w: DataStatesWriter = writer_factory()  # capture="auto", nothing protected: eager clones
-    sd = {"t": torch.zeros(10_000), "n": 1}
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        pytest.param({}, id="snapshot-into-cache"),
+        pytest.param({"host_cache_size": "64KiB", "chunk_size": "16KiB"}, id="clone-fallback"),
+    ],
+)
+def test_auto_capture_without_protect_is_exact(
+    tmp_path: Any, writer_factory: Any, knobs: dict
+) -> None:
+    # capture="auto", nothing protected: every tensor is snapshotted at the call, into the
+    # cache when it has room, else into a clone.
+    w: DataStatesWriter = writer_factory(**knobs)
+    sd = {"t": torch.zeros(100_000), "n": 1}
     fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
     sd["t"].fill_(5)
     fut.result(timeout=30)
-    out = {"t": torch.ones(10_000), "n": 0}
+    out = {"t": torch.ones(100_000), "n": 0}
     dcp.load(out, checkpoint_id=str(tmp_path / "c"))
     assert bool((out["t"] == 0).all()) and out["n"] == 1
 

@@ -158,6 +158,16 @@ PYBIND11_MODULE(_core, m) {
            py::arg("job"), py::arg("name"), py::arg("src"), py::arg("bytes"),
            py::arg("device") = -1, py::arg("ready_event") = 0, py::arg("direct") = false)
       .def("start_copies", [](EngineHandle& h, std::uint64_t job) { h.get().start_copies(job); })
+      .def("capture_now",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.capture_now(job, entry);
+           },
+           "Copies a host entry into the cache now if it fits without waiting (GIL released).")
+      .def("retarget",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::uintptr_t src,
+              bool direct) { h.get().retarget(job, entry, src, direct); })
       .def("open_file",
            [](EngineHandle& h, std::uint64_t job, const std::string& path) {
              Engine& e = h.get();

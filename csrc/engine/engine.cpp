@@ -226,6 +226,66 @@ void Engine::start_copies(std::uint64_t job_id) {
   state_cv_.notify_all();
 }
 
+bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry) {
+  std::vector<std::size_t> offsets;
+  std::vector<std::pair<std::size_t, std::size_t>> spans;  // (entry offset, bytes)
+  const std::uint8_t* src;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Job& job = job_locked(job_id);
+    check_failed_locked(job);
+    DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+    Entry& e = job.entries[entry];
+    DCPDS_CHECK(!e.queued && e.device < 0 && !e.direct,
+                "entry '" + e.name + "' cannot be captured in the calling thread");
+    for (const auto& c : e.chunks) spans.emplace_back(c.entry_offset, c.bytes);
+    src = reinterpret_cast<const std::uint8_t*>(e.src);
+  }
+  for (const auto& sp : spans) {
+    auto off = ring_.try_allocate(sp.second, align_);
+    if (!off) {
+      for (std::size_t o : offsets) ring_.release(o);
+      return false;
+    }
+    offsets.push_back(*off);
+  }
+  const double t0 = now_s();
+  for (std::size_t i = 0; i < spans.size(); ++i)
+    std::memcpy(cache_.data() + offsets[i], src + spans[i].first, spans[i].second);
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  Entry& e = job.entries[entry];
+  e.queued = true;
+  job.stats.copy_busy_s += now_s() - t0;
+  for (std::size_t i = 0; i < e.chunks.size(); ++i) {
+    Chunk& c = e.chunks[i];
+    c.cache_offset = offsets[i];
+    ++job.outstanding;
+    job.stats.bytes_copied += c.bytes;
+    c.state = ChunkState::kLanded;
+    if (job.failed.load() || e.placement == Placement::kSkip) {
+      finish_chunk_locked(job, e, c, ChunkState::kSkipped);
+    } else if (e.placement == Placement::kFile) {
+      c.state = ChunkState::kFlushing;
+      enqueue_flush_locked(FlushTask{FlushKind::kChunk, job_id, entry, static_cast<std::uint32_t>(i)});
+    }
+  }
+  maybe_finalize_locked(job);
+  state_cv_.notify_all();
+  return true;
+}
+
+void Engine::retarget(std::uint64_t job_id, std::uint32_t entry, std::uintptr_t src, bool direct) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+  Entry& e = job.entries[entry];
+  DCPDS_CHECK(!e.queued && e.device < 0, "entry '" + e.name + "' has already started");
+  DCPDS_CHECK(e.bytes == 0 || src != 0, "entry '" + e.name + "' retargeted to a null address");
+  e.src = src;
+  e.direct = direct;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Stage 2: capture (copy threads)
 

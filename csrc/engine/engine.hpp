@@ -113,6 +113,13 @@ class Engine {
                           std::size_t bytes, int device, std::uintptr_t ready_event,
                           bool direct = false);
   void start_copies(std::uint64_t job);  // queues the copies of every entry added so far
+  // Copies a host entry into the cache now, in the calling thread, if the cache has room for
+  // all of it without waiting; false (nothing reserved) otherwise. The source may change as
+  // soon as this returns true. Used to snapshot eagerly without allocating a clone.
+  bool capture_now(std::uint64_t job, std::uint32_t entry);
+  // Points a not yet started entry at another host source (e.g. a clone after capture_now
+  // failed); `direct` as in add_entry.
+  void retarget(std::uint64_t job, std::uint32_t entry, std::uintptr_t src, bool direct);
 
   // --- place
   std::int32_t open_file(std::uint64_t job, const std::string& path);
