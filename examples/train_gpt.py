@@ -261,7 +261,7 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 1  # the previous save is finalized (latest, prune) before the next
 
 
 class Checkpointer:
@@ -282,7 +282,7 @@ class Checkpointer:
         self.no_dist = pg is None
         self.policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
         # Saves in flight, oldest first. The writer runs them one after another in the
-        # background; we only wait when more than MAX_IN_FLIGHT are queued.
+        # background; a new save waits while MAX_IN_FLIGHT are queued.
         self.pending: collections.deque[PendingSave] = collections.deque()
         self.total_blocked_s = 0.0
         self.saves = 0
