@@ -10,9 +10,12 @@ snapshot is taken (docs/architecture.md, "Exactness"):
   Each lazy tensor's version counter is recorded; if it changed before the barrier verified the
   capture, the tensor was modified in place and the save fails with :class:`CaptureError`
   instead of being written torn.
-* **eager** - the tensor is cloned on its device at save time (buffers such as BatchNorm running
-  statistics, step counters, anything not protected), then copied like a lazy one.
-  Non-contiguous views and tensors with conjugate/negative bits are always compacted eagerly.
+* **eager** - the tensor is snapshotted at save time (buffers such as BatchNorm running
+  statistics, step counters, anything not protected): a contiguous host tensor is copied straight
+  into the host cache by this thread when the cache has room without waiting; otherwise it is
+  cloned on its device (a host clone is then flushed from where it is, a CUDA clone copied like a
+  lazy tensor). Non-contiguous views and tensors with conjugate/negative bits are always
+  compacted eagerly.
 
 Non-tensor values are deep-copied at save time. The staged dict handed back to DCP holds a new
 object for every tensor leaf (a detached alias or the clone), so the writer can tell which save

@@ -72,9 +72,10 @@ class WriterConfig:
         flush_threads: native threads writing the cache to files.
         files_per_rank: data files each rank writes (written in parallel).
         o_direct: write payloads with O_DIRECT (4 KiB-aligned), bypassing the page cache.
-        capture: "auto" copies tensors owned by protected optimizers lazily and clones the rest at
-            save time; "lazy" copies every tensor lazily (the caller must not modify any before
-            ``wait_captured()``); "eager" clones every tensor at save time.
+        capture: "auto" copies tensors owned by protected optimizers lazily and snapshots the
+            rest at save time (into the cache, or a clone); "lazy" copies every tensor lazily
+            (the caller must not modify any before ``wait_captured()``); "eager" snapshots every
+            tensor at save time.
         checksums: record a CRC-32C per chunk in the manifest.
         durable: fdatasync data files and fsync directories before the commit.
         prefault: touch the cache pages when the writer is created.
