@@ -712,10 +712,10 @@ void Engine::flush_loop(int /*index*/) {
 // ------------------------------------------------------------------------------------------------
 // Waiting and results
 
-bool Engine::wait_captured(std::uint64_t job_id, double timeout_s) {
+bool Engine::wait_job(std::uint64_t job_id, double timeout_s, bool until_done) {
   std::unique_lock<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
-  auto ready = [&] { return job.failed.load() || job.captured; };
+  auto ready = [&] { return until_done ? job.done : (job.failed.load() || job.captured); };
   if (timeout_s < 0) {
     state_cv_.wait(lock, ready);
   } else if (!state_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
@@ -725,17 +725,12 @@ bool Engine::wait_captured(std::uint64_t job_id, double timeout_s) {
   return true;
 }
 
+bool Engine::wait_captured(std::uint64_t job_id, double timeout_s) {
+  return wait_job(job_id, timeout_s, false);
+}
+
 bool Engine::wait_done(std::uint64_t job_id, double timeout_s) {
-  std::unique_lock<std::mutex> lock(mu_);
-  Job& job = job_locked(job_id);
-  auto ready = [&] { return job.done; };
-  if (timeout_s < 0) {
-    state_cv_.wait(lock, ready);
-  } else if (!state_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
-    return false;
-  }
-  check_failed_locked(job);
-  return true;
+  return wait_job(job_id, timeout_s, true);
 }
 
 bool Engine::is_captured(std::uint64_t job_id) {

@@ -231,6 +231,7 @@ class Engine {
   void maybe_finalize_locked(Job& job);
   void enqueue_flush_locked(const FlushTask& t);
   void check_failed_locked(const Job& job) const;
+  bool wait_job(std::uint64_t job, double timeout_s, bool until_done);
 
   void copy_loop(int index);
   void flush_loop(int index);
