@@ -135,7 +135,9 @@ def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     if not panels:
         return None
     rows, cols = _grid(len(panels))
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 0.35 * 9 * rows + 0.8), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(6 * cols, 0.35 * 9 * rows + 0.8), squeeze=False, layout="constrained"
+    )
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, scn in zip(axes.flat, panels, strict=False):
@@ -166,7 +168,6 @@ def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
         ax.set_xlabel("seconds per checkpoint", fontsize=7)
         ax.grid(axis="x", alpha=0.3)
     axes.flat[0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -182,7 +183,9 @@ def slowdown_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     if not panels:
         return None
     rows, cols = _grid(len(panels))
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False, layout="constrained"
+    )
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, scn in zip(axes.flat, panels, strict=False):
@@ -211,7 +214,6 @@ def slowdown_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
         ax.tick_params(axis="x", labelsize=7)
         ax.grid(axis="x", alpha=0.3)
     axes.flat[0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -227,7 +229,9 @@ def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     if not panels:
         return None
     rows, cols = _grid(len(panels))
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False, layout="constrained"
+    )
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, scn in zip(axes.flat, panels, strict=False):
@@ -237,7 +241,8 @@ def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
         ax.barh(ys, med, xerr=[lo, hi], color=COLORS["flush"], error_kw={"capsize": 2})
         dd = scn["summary"].get("disk_gbps")
         if dd:
-            ax.axvline(dd["median"], color=COLORS["dd"], ls="--", lw=1, label="dd oflag=direct")
+            method = scn["summary"].get("disk_method") or "dd"
+            ax.axvline(dd["median"], color=COLORS["dd"], ls="--", lw=1, label=f"raw: {method}")
             ax.legend(fontsize=7, loc="lower right")
         ax.set_yticks(ys, [c["label"] for _, c in items], fontsize=7)
         ax.invert_yaxis()
@@ -245,7 +250,6 @@ def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
         ax.set_xlabel("checkpoint bytes / time until durable, GB/s", fontsize=7)
         ax.tick_params(axis="x", labelsize=7)
         ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path

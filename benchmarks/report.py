@@ -107,10 +107,10 @@ def finite(obj: Any) -> Any:
     return obj
 
 
-def write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any, indent: int | None = 1) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(finite(obj), f, indent=1, default=str, allow_nan=False)
+        json.dump(finite(obj), f, indent=indent, default=str, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
 
@@ -125,6 +125,8 @@ def now_iso() -> str:
 def _fmt(v: float | None, digits: int = 3) -> str:
     if v is None:
         return "-"
+    if abs(v) < 0.5 * 10**-digits:
+        v = 0.0  # no "-0.00"
     if abs(v) >= 100:
         return f"{v:.0f}"
     if abs(v) >= 10:
@@ -133,12 +135,12 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 
 def fmt_stat(s: dict[str, Any] | None, digits: int = 3) -> str:
-    """``median (min-max)``, or ``-``."""
+    """``median [min, max]``, or ``-``."""
     if not s:
         return "-"
     if s["n"] == 1 or s["min"] == s["max"]:
         return _fmt(s["median"], digits)
-    return f"{_fmt(s['median'], digits)} ({_fmt(s['min'], digits)}-{_fmt(s['max'], digits)})"
+    return f"{_fmt(s['median'], digits)} [{_fmt(s['min'], digits)}, {_fmt(s['max'], digits)}]"
 
 
 def _pct(v: float | None) -> str:
@@ -200,7 +202,7 @@ def synthetic_table(summary: dict[str, Any]) -> str:
                 _fmt(c["flush_vs_dd"], 2),
                 f"{peak} (+{_fmt(extra, 2)})" if extra is not None else peak,
                 fmt_stat(c["held_gb"], 2),
-                f"{fmt_stat(c['load_s'])} [{c['loader']}]",
+                f"{fmt_stat(c['load_s'])} ({c['loader']})",
                 "yes" if c["verified"] else "**NO**",
             ]
         )
@@ -236,7 +238,7 @@ def training_table(summary: dict[str, Any]) -> str:
                 fmt_stat(c["flush_gbps"], 2),
                 fmt_stat(c["peak_rss_gb"], 2),
                 fmt_stat(c["held_gb"], 2),
-                f"{fmt_stat(c['load_s'])} [{c['loader']}]",
+                f"{fmt_stat(c['load_s'])} ({c['loader']})",
                 "yes" if c["verified"] else "**NO**",
             ]
         )
@@ -261,7 +263,7 @@ def markdown(results: dict[str, Any], plots: dict[str, list[str]], out_dir: str)
         f"{_pct(m.get('other_cpu_frac'))} of the machine's CPU time during the run "
         "(other work on the machine skews timings)",
         "",
-        "Medians over repeats with (min-max). *blocked* = save call + wait at the optimizer "
+        "Medians over repeats with [min, max]. *blocked* = save call + wait at the optimizer "
         "step; *until durable* = from the save call until data and metadata are on disk "
         "(fsynced); *flush GB/s* = checkpoint bytes / until-durable time; *x dd* = that over "
         "the raw `dd` write bandwidth measured in the same scenario; *peak RSS* = process "

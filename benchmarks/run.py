@@ -26,7 +26,7 @@ from typing import Any
 if __package__ in (None, ""):  # executed as `python benchmarks/run.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.contenders import ALL_NAMES, DATASTATES_NAMES  # noqa: E402
+from benchmarks.contenders import ALL_NAMES, DATASTATES_NAMES, TRAINING_EXCLUDED  # noqa: E402
 from benchmarks.metrics import cpu_busy_seconds, own_cpu_seconds  # noqa: E402
 from benchmarks.report import machine_info, markdown, now_iso, write_json  # noqa: E402
 from benchmarks.scenarios import RunOptions, Scenario  # noqa: E402
@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds per worker job")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--render",
+        metavar="DIR",
+        help="only rewrite DIR's results.md and PNGs from its results.json",
+    )
     return p
 
 
@@ -235,7 +240,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
             Scenario(
                 name=f"gpt-{preset}-k{k}",
                 kind="training",
-                contenders=contenders,
+                contenders=tuple(c for c in contenders if c not in TRAINING_EXCLUDED),
                 repeats=repeats,
                 gpt_preset=preset,
                 ckpt_every=k,
@@ -382,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.summary import summarize_scenario
 
     args = build_parser().parse_args(argv)
+    if args.render:  # re-render an earlier run's outputs (after a change to report/plots)
+        with open(os.path.join(args.render, "results.json")) as f:
+            render(json.load(f), os.path.abspath(args.render), plots=not args.no_plots)
+        return 0
     if args.device.startswith("cuda"):
         import torch
 
@@ -446,19 +455,24 @@ def main(argv: list[str] | None = None) -> int:
         results["meta"]["other_cpu_s"] = other
         results["meta"]["other_cpu_frac"] = other / cap if cap else None
     results["meta"]["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    plots: dict[str, list[str]] = {}
-    if not args.no_plots:
-        from benchmarks.plots import make_all
-
-        plots = make_all(results, out_dir)
-    results["meta"]["plots"] = {k: [os.path.basename(p) for p in v] for k, v in plots.items()}
-    write_json(os.path.join(out_dir, "results.json"), results)
-    write_json(os.path.join(out_dir, "raw.json"), raw)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(markdown(results, plots, out_dir))
-    _print_summary(results)
+    write_json(os.path.join(out_dir, "raw.json"), raw, indent=None)
+    render(results, out_dir, plots=not args.no_plots)
     print(f"results: {out_dir}/results.md (took {results['meta']['elapsed_s']:.0f} s)")
     return 0
+
+
+def render(results: dict[str, Any], out_dir: str, plots: bool = True) -> None:
+    """Write results.json, results.md and the PNGs of ``results`` into ``out_dir``."""
+    made: dict[str, list[str]] = {}
+    if plots:
+        from benchmarks.plots import make_all
+
+        made = make_all(results, out_dir)
+    results["meta"]["plots"] = {k: [os.path.basename(p) for p in v] for k, v in made.items()}
+    write_json(os.path.join(out_dir, "results.json"), results)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(markdown(results, made, out_dir))
+    _print_summary(results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ and compared bit for bit.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import traceback
@@ -39,12 +38,19 @@ from benchmarks.contenders import (
     make_contender,
 )
 from benchmarks.disk import measure_write_bandwidth
-from benchmarks.metrics import PeakRSS, disk_bytes, evict_page_cache, now, rss_bytes
+from benchmarks.metrics import (
+    PeakRSS,
+    disk_bytes,
+    evict_page_cache,
+    now,
+    release_memory,
+    rss_bytes,
+)
 from benchmarks.verify import clone_tree, compare_trees, empty_like_tree
 from benchmarks.workloads import (
     MiB,
     SyntheticSpec,
-    gpt_checkpoint_bytes,
+    count_tensors,
     gpt_config,
     make_gpt,
     perturb_,
@@ -129,7 +135,7 @@ class Env:
             torch.cuda.synchronize()
 
 
-def host_cache_bytes(opts: RunOptions, scn: Scenario, per_rank_bytes: int) -> int:
+def host_cache_bytes(opts: RunOptions, scn: Scenario, per_rank_bytes: int, n_tensors: int) -> int:
     """DataStates host cache for this scenario: a fraction of the checkpoint, or one that fits."""
     from benchmarks.workloads import parse_size
 
@@ -138,7 +144,7 @@ def host_cache_bytes(opts: RunOptions, scn: Scenario, per_rank_bytes: int) -> in
     if opts.host_cache != "auto":
         return parse_size(opts.host_cache)
     # fits: the payload plus headroom for per-tensor archive headers and 4 KiB alignment
-    return int(per_rank_bytes * 1.25) + 64 * MiB
+    return per_rank_bytes + n_tensors * 8 * 1024 + 64 * MiB
 
 
 def _rotate(items: list[str], r: int) -> list[str]:
@@ -168,6 +174,7 @@ def _load_and_verify(env: Env, c: Contender, ckpt_dir: str, expected: Any) -> di
     load_s = now() - t0
     res = compare_trees(expected, loaded)
     del target, loaded
+    release_memory()
     return {"load_s": load_s, "cold": evicted, "verify": res.to_json(), "loader": c.loader}
 
 
@@ -199,7 +206,7 @@ def run_synthetic(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         device=env.device,
         pg=env.pg,
         fs_threads=opts.fs_threads,
-        host_cache_bytes=host_cache_bytes(opts, scn, nbytes),
+        host_cache_bytes=host_cache_bytes(opts, scn, nbytes, len(state)),
         max_in_flight=opts.max_in_flight,
         ds_max_in_flight=opts.ds_max_in_flight,
         ds_options=dict(opts.ds_options),
@@ -255,7 +262,7 @@ def _synthetic_run(
     records: list[SaveRecord] = []
     expected: Any = None
     try:
-        gc.collect()
+        release_memory()
         env.sync()
         rss0 = rss_bytes()
         c.setup(ctx, run_dir)
@@ -283,6 +290,7 @@ def _synthetic_run(
             env.sync()
             if s < scn.saves - 1 and env.rank == 0 and not opts.keep_checkpoints:
                 _rmtree(ckpt)
+        release_memory()  # count live buffers, not freed heap glibc has not returned yet
         run["held_bytes"] = rss_bytes() - rss0
         run["telemetry"] = c.telemetry()
         c.annotate(records)
@@ -304,6 +312,7 @@ def _synthetic_run(
                 raise
         run["saves"] = [r.to_json() for r in records]
         expected = None
+        release_memory()
         if env.rank == 0 and not opts.keep_checkpoints:
             _rmtree(run_dir)
     return run, counter
@@ -327,14 +336,20 @@ def run_training(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
     from benchmarks.tiny_gpt import random_batch
 
     batches = [random_batch(cfg, gen, env.device) for _ in range(scn.warmup + scn.iters)]
-    approx = gpt_checkpoint_bytes(cfg)
+    model, opt = make_gpt(cfg, env.device, seed=0)
+    x, y = batches[0]
+    model(x, y).backward()
+    opt.step()  # creates the AdamW state, so the checkpoint has its final size
+    probe = _gpt_state(model, opt)
+    nbytes, ntensors = state_bytes(probe), count_tensors(probe)
+    del model, opt, probe
     ctx = SaveContext(
         rank=env.rank,
         world_size=env.world_size,
         device=env.device,
         pg=env.pg,
         fs_threads=opts.fs_threads,
-        host_cache_bytes=host_cache_bytes(opts, scn, approx),
+        host_cache_bytes=host_cache_bytes(opts, scn, nbytes, ntensors),
         max_in_flight=opts.max_in_flight,
         ds_max_in_flight=opts.ds_max_in_flight,
         ds_options=dict(opts.ds_options),
@@ -390,7 +405,7 @@ def _training_run(
             opt.step()
             opt.zero_grad(set_to_none=True)
         sync()
-        gc.collect()
+        release_memory()
         rss0 = rss_bytes()
         if c is not None:
             c.setup(ctx, run_dir, opt)
@@ -435,6 +450,8 @@ def _training_run(
         if c is not None:
             c.drain()
         t_drained = now()
+        peak = env.peak.peak()
+        release_memory()  # count live buffers, not freed heap glibc has not returned yet
         run.update(
             {
                 "t_loop0": t_loop0,
@@ -442,7 +459,7 @@ def _training_run(
                 "until_durable_s": t_drained - t_loop0,
                 "iters": iters,
                 "statedict_s": statedict_s,
-                "peak_rss": env.peak.peak(),
+                "peak_rss": peak,
                 "held_bytes": rss_bytes() - rss0,
             }
         )
@@ -467,6 +484,7 @@ def _training_run(
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
         run["saves"] = [r.to_json() for r in records]
+        release_memory()
         if env.rank == 0 and not opts.keep_checkpoints:
             _rmtree(run_dir)
     return run

@@ -8,7 +8,6 @@ engines care about, from many small tensors (per-item overhead dominates) to a f
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -122,6 +121,17 @@ def state_bytes(obj: object) -> int:
     return 0
 
 
+def count_tensors(obj: object) -> int:
+    """Number of tensors in a (nested) state dict."""
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(count_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(count_tensors(v) for v in obj)
+    return 0
+
+
 @torch.no_grad()
 def perturb_(sd: dict[str, torch.Tensor], step: int) -> None:
     """Change every tensor in place, as an optimizer step would (each checkpoint then differs)."""
@@ -143,12 +153,3 @@ def make_gpt(
     model = TinyGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     return model, opt
-
-
-def gpt_checkpoint_bytes(cfg: GPTConfig) -> int:
-    """Approximate checkpoint size: parameters plus the two AdamW moments, float32."""
-    return 3 * 4 * cfg.param_count()
-
-
-def ceil_mib(nbytes: float) -> int:
-    return int(math.ceil(nbytes / MiB))

@@ -30,6 +30,7 @@ CONTENDERS = {
     "torchsnapshot",
     "ds_save",
     "ds_async",
+    "ds_async_lazy",
 }
 
 
@@ -117,7 +118,7 @@ def test_every_contender_loads_back_bit_exact(quick_run: Path) -> None:
             assert c["status"] in ("ok", "skipped"), f"{scn['name']}/{name}: {c['errors']}"
             if c["status"] == "skipped":
                 assert c["skip_reason"], f"{scn['name']}/{name} skipped without a reason"
-                assert name in ("torchsnapshot", "ds_save", "ds_async"), name
+                assert name in ("torchsnapshot", "ds_save", "ds_async", "ds_async_lazy"), name
                 continue
             assert c["verified"] and c["verify_runs"] >= 1, f"{scn['name']}/{name}"
             assert c["blocked_s"] is not None and c["durable_s"] is not None
@@ -131,3 +132,27 @@ def test_every_contender_loads_back_bit_exact(quick_run: Path) -> None:
 def test_checkpoints_are_cleaned_up(quick_run: Path) -> None:
     leftovers = list((quick_run / "ckpt").rglob(".metadata"))
     assert not leftovers, leftovers[:5]
+
+
+@pytest.mark.parametrize(
+    ("module", "contender"),
+    [
+        ("dcp_datastates", "ds_save"),
+        ("dcp_datastates", "ds_async"),
+        ("dcp_datastates", "ds_async_lazy"),
+        ("torchsnapshot", "torchsnapshot"),
+    ],
+)
+def test_unimportable_contender_is_skipped_with_reason(
+    monkeypatch: pytest.MonkeyPatch, module: str, contender: str
+) -> None:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.contenders import make_contender
+    finally:
+        sys.path.remove(str(ROOT))
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    reason = make_contender(contender).skip_reason(torch.device("cpu"))
+    assert reason is not None and module in reason
