@@ -11,12 +11,16 @@ class SaveStats:
     """What one save cost and when its stages ended.
 
     Durations are seconds; ``t_*`` are ``time.perf_counter()`` timestamps (NaN until reached).
+    What they do not cover: the work ``dcp.async_save`` does in the caller's thread before it
+    calls ``stage()`` (``Stateful.state_dict()`` calls, DCP logging: about 60 us per tensor here),
+    and, for ``dcp.save``, DCP's planning before ``write_data``. Time the call itself for those.
 
     Attributes:
         checkpoint_id: where the save went.
         rank: the rank that recorded these figures.
         bytes: tensor bytes this rank captured.
-        stage_s: time spent inside ``stage()`` (the part of ``async_save`` that is ours).
+        stage_s: time spent inside ``stage()`` (the part of ``async_save`` that is ours; 0 for
+            ``dcp.save``, whose ``t_stage`` is the start of ``write_data``).
         blocked_s: time the training thread was blocked by this save: ``stage_s`` plus the time
             barriers (``wait_captured``, the optimizer step hook) waited for its copies.
         captured_before_barrier: whether the copies had all landed when the first barrier came
@@ -24,6 +28,8 @@ class SaveStats:
         captured_s / done_s: from the save call until the copies landed / until the save was
             durable on this rank.
         flush_gbps: bytes / (t_done - t_stage) in GB/s.
+        committed_s: from the save call until ``.metadata`` was written (coordinator only; NaN
+            on other ranks), i.e. until the checkpoint became loadable.
         error: the failure message, or None.
     """
 
@@ -42,6 +48,8 @@ class SaveStats:
     copy_busy_s: float
     flush_busy_s: float
     error: str | None = None
+    committed_s: float = float("nan")
+    t_committed: float = float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

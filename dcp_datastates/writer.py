@@ -438,9 +438,18 @@ class DataStatesWriter(StorageWriter):
             metadata.storage_data = storage_md
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
             CheckpointDir(ctx.path).commit(metadata, self.config.durable)
+            self._mark_committed(ctx.path, time.perf_counter())
         finally:
             ctx.finished = True
             self._release_claim(ctx)
+
+    def _mark_committed(self, checkpoint_id: str, t: float) -> None:
+        with self._lock:
+            for s in reversed(self._stats):
+                if s.checkpoint_id == checkpoint_id and math.isnan(s.t_committed):
+                    s.t_committed = t
+                    s.committed_s = t - s.t_stage
+                    return
 
     # ------------------------------------------------------------------------------------------
     # Save contexts (one per save, per thread)

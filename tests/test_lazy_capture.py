@@ -178,6 +178,7 @@ def test_save_every_iteration_matches_reference(
         assert_state_equal(ref, out)
     st = w.save_stats()
     assert len(st) == 8 and all(s["error"] is None for s in st)
+    assert all(s["done_s"] <= s["committed_s"] for s in st)
     c = w.engine_counters()
     assert c["jobs"] == 0 and c["cache_used_bytes"] == 0 and c["open_files"] == 0
 
