@@ -28,7 +28,6 @@ class SinkItem:
     entry: int = -1  # engine entry, or -1 for raw bytes
     prefix: bytes = b""
     suffix: bytes = b""
-    payload_offset: int = 0
     data: bytes = b""
 
 

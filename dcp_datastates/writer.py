@@ -535,7 +535,7 @@ class DataStatesWriter(StorageWriter):
         staged_sd = getattr(planner, "state_dict", None)
         file_ids: dict[int, int] = {}
         sink: dict[int, list[SinkItem]] = collections.defaultdict(list)
-        placed: list[tuple[WriteItem, CapturedTensor | None, int, int, int, bytes]] = []
+        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]] = []
         results: list[WriteResult] = []
         bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
         added_late = False
@@ -586,10 +586,9 @@ class DataStatesWriter(StorageWriter):
                         entry=cap.entry,
                         prefix=tmpl.prefix,
                         suffix=tmpl.suffix,
-                        payload_offset=payload,
                     )
                 )
-            placed.append((item, cap, f, start, payload, b""))
+            placed.append((item, cap, f, start, payload))
             results.append(_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes))
         if added_late:
             eng.start_copies(job.engine_job)
@@ -648,7 +647,7 @@ class DataStatesWriter(StorageWriter):
         self,
         ctx: _Context,
         job: SaveJob,
-        placed: list[tuple[WriteItem, CapturedTensor | None, int, int, int, bytes]],
+        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]],
         bytes_crcs: list[tuple[WriteItem, int, int, int, int]],
         ext_records: list[tuple[int, int, int, int, int, int]],
     ) -> RankManifest:
@@ -658,8 +657,7 @@ class DataStatesWriter(StorageWriter):
         for e, _c, _f, off, n, crc in ext_records:
             by_entry[e].append((off, n, crc))
         items: list[ItemRecord] = []
-        for item, cap, f, start, payload, _ in placed:
-            assert cap is not None
+        for item, cap, f, start, payload in placed:
             tmpl = self._templates.get(cap.dtype, cap.shape)
             items.append(
                 ItemRecord(
