@@ -129,9 +129,31 @@ def _err(s: dict[str, Any] | None) -> tuple[float, float, float]:
     return s["median"], s["median"] - s["min"], s["max"] - s["median"]
 
 
+def _panels(scenarios: list[dict[str, Any]], kind: str | None = None) -> list[dict[str, Any]]:
+    """Scenarios (of ``kind``, if given) that have at least one successful contender."""
+    return [
+        s
+        for s in scenarios
+        if (kind is None or s["kind"] == kind)
+        and "contenders" in s["summary"]
+        and _ok(s["summary"])
+    ]
+
+
+def _panel_figure(n: int) -> tuple[Any, Any]:
+    """A figure with one panel per scenario on a grid; unused grid cells hidden."""
+    rows, cols = _grid(n)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False, layout="constrained"
+    )
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
 def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     """Per scenario: time blocked (dark) and until durable (light), median with min/max."""
-    panels = [s for s in scenarios if "contenders" in s["summary"] and _ok(s["summary"])]
+    panels = _panels(scenarios)
     if not panels:
         return None
     rows, cols = _grid(len(panels))
@@ -175,19 +197,10 @@ def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
 
 def slowdown_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     """Per training scenario: iteration-time slowdown against the no-checkpoint loop."""
-    panels = [
-        s
-        for s in scenarios
-        if s["kind"] == "training" and "contenders" in s["summary"] and _ok(s["summary"])
-    ]
+    panels = _panels(scenarios, "training")
     if not panels:
         return None
-    rows, cols = _grid(len(panels))
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False, layout="constrained"
-    )
-    for ax in axes.flat[len(panels) :]:
-        ax.set_visible(False)
+    fig, axes = _panel_figure(len(panels))
     for ax, scn in zip(axes.flat, panels, strict=False):
         items = _ok(scn["summary"])
         labels = [c["label"] for _, c in items]
@@ -221,19 +234,10 @@ def slowdown_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
 
 def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     """Per synthetic scenario: flush GB/s per contender against the raw dd bandwidth."""
-    panels = [
-        s
-        for s in scenarios
-        if s["kind"] == "synthetic" and "contenders" in s["summary"] and _ok(s["summary"])
-    ]
+    panels = _panels(scenarios, "synthetic")
     if not panels:
         return None
-    rows, cols = _grid(len(panels))
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(6 * cols, 3.2 * rows + 0.4), squeeze=False, layout="constrained"
-    )
-    for ax in axes.flat[len(panels) :]:
-        ax.set_visible(False)
+    fig, axes = _panel_figure(len(panels))
     for ax, scn in zip(axes.flat, panels, strict=False):
         items = _ok(scn["summary"])
         ys = list(range(len(items)))
