@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -386,6 +387,12 @@ class DataStatesWriter(StorageWriter):
         ctx.coordinator = is_coordinator
         ctx.rank = int(kwargs.get("rank", args[0] if args else 0) or 0)
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
+        if not ctx.use_collectives and dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                raise ValueError(
+                    "DataStatesWriter does not support use_collectives=False with several ranks "
+                    "(one .metadata per rank); save with the default use_collectives=True"
+                )
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
         with self._idle:
@@ -412,7 +419,7 @@ class DataStatesWriter(StorageWriter):
     ) -> Future[list[WriteResult]]:
         ctx = self._context()
         if not ctx.use_collectives and ctx.path_key is None:
-            self._claim_and_prepare(ctx)  # no global plan step: every rank prepares its own
+            self._claim_and_prepare(ctx)  # no global plan step (single rank): prepare here
         job = self._bind_job(ctx, plan, planner)
         try:
             results = self._write(ctx, job, plan, planner)
