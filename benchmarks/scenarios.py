@@ -236,13 +236,18 @@ def run_synthetic(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         env.sync()
         for name in _rotate(active, rep):
             run, counter = _synthetic_run(scn, opts, env, ctx, state, nbytes, name, rep, counter)
-            entry = out["contenders"][name]
-            entry["runs"].append(run)
-            if run.get("label"):
-                entry["label"] = run["label"]
-            if run.get("error"):
-                entry["status"] = "error"
+            _record(out, name, run)
     return out
+
+
+def _record(out: dict[str, Any], name: str, run: dict[str, Any]) -> None:
+    """Appends one run of contender ``name`` to a scenario's output."""
+    entry = out["contenders"][name]
+    entry["runs"].append(run)
+    if run.get("label"):
+        entry["label"] = run["label"]
+    if run.get("error"):
+        entry["status"] = "error"
 
 
 def _synthetic_run(
@@ -375,12 +380,7 @@ def run_training(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
     for rep in range(scn.repeats):
         for name in _rotate(active, rep):
             run = _training_run(scn, opts, env, ctx, batches, name, rep)
-            entry = out["contenders"][name]
-            entry["runs"].append(run)
-            if run.get("label"):
-                entry["label"] = run["label"]
-            if run.get("error"):
-                entry["status"] = "error"
+            _record(out, name, run)
     return out
 
 
