@@ -1,31 +1,42 @@
 """Capture: turning a state dict into a save job whose tensors are copied into the host cache.
 
 ``stage()`` runs in the training thread and must be fast. For every tensor it decides how the
-snapshot is taken (docs/architecture.md, "Exactness"):
+snapshot is taken (docs/architecture.md, "Exactness"; docs/configuration.md, ``capture``):
 
-* **lazy** - the tensor is registered with the engine as it is; its copy into the host cache runs
-  in the background. Used for tensors only ``optimizer.step()`` modifies (parameters and state of
-  optimizers passed to ``writer.protect``), or for every tensor with ``capture="lazy"``. The
-  barrier (``wait_captured``, called by the step pre-hook) makes the step wait for these copies.
-  Each lazy tensor's version counter is recorded; if it changed before the barrier verified the
-  capture, the tensor was modified in place and the save fails with :class:`CaptureError`
-  instead of being written torn.
-* **eager** - the tensor is snapshotted at save time (buffers such as BatchNorm running
-  statistics, step counters, anything not protected): a contiguous host tensor is copied straight
-  into the host cache by this thread when the cache has room without waiting; otherwise it is
-  cloned on its device (a host clone is then flushed from where it is, a CUDA clone copied like a
-  lazy tensor). Non-contiguous views and tensors with conjugate/negative bits are always
-  compacted eagerly.
+* **at the call** - a host tensor is copied into the host cache by the calling thread (a native
+  memcpy, GIL released). Exact by construction. Under the default ``capture="auto"`` this is how
+  every CPU tensor is taken when the cache has room: on a host whose cores all train, one fast
+  copy at the call costs training less than background copies competing with forward/backward
+  (docs/benchmarks.md). State the optimizer does not own (buffers, counters, anything a forward
+  pass may change) is always taken at the call; if the cache is full it *waits* for space freed
+  by earlier saves (reported as ``stall_s``), it never clones.
+* **lazy** - the tensor is registered as it is and copied in the background by the engine's copy
+  threads; the step barrier (:mod:`dcp_datastates.barrier`) makes the owning optimizer's next
+  ``step()`` wait for it. Used for tensors an optimizer owns (its parameters and state) when the
+  cache has no room for them at the call (``auto``), or always (``capture="owned"``, the
+  DataStates policy, and the default for CUDA tensors, whose copies run on the copy engine), and
+  for every contiguous tensor with ``capture="lazy"``. Each lazy tensor's version counter and
+  storage are recorded; if the tensor was modified in place, or its storage freed or resized,
+  before the barrier verified the capture, the save fails with :class:`CaptureError` instead of
+  being written torn (the copy threads read through the kernel, so a freed source is an error,
+  not a crash).
+* **overflow** - state that must be taken at the call but cannot fit even once earlier saves
+  have drained (this save alone needs more than the whole cache) is captured lazily as above,
+  with the same checks, and a warning names the size to configure. Memory stays bounded.
 
-Non-tensor values are deep-copied at save time. The staged dict handed back to DCP holds a new
-object for every tensor leaf (a detached alias or the clone), so the writer can tell which save
-job a DCP write belongs to by object identity, even when several saves are in flight.
+CUDA tensors the optimizer does not own are cloned on their device (device memory, not host
+memory) and the clone is copied lazily. Non-contiguous views and tensors with conjugate/negative
+bits are compacted first (a transient copy of that tensor). Non-tensor values are deep-copied at
+save time. The staged dict handed back to DCP holds a new object for every tensor leaf (a detached
+alias or the clone), so the writer can tell which save job a DCP write belongs to by object
+identity, even when several saves are in flight.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -34,13 +45,11 @@ from typing import Any
 
 import torch
 
+from .barrier import DTensor, _local, owned_storages
 from .engine import Engine
 from .errors import CaptureError
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_LAYOUT_HINT = "convert it to a dense strided tensor before saving"
 
@@ -59,6 +68,9 @@ class CapturedTensor:
     lazy: bool
     version: int  # source._version at save time (lazy only)
     direct: bool = False  # flushed from `source` itself (kept alive until the job is done)
+    owner: int | None = None  # id() of the optimizer owning a lazy tensor (None: nobody)
+    storage_ptr: int = 0  # the source's storage address and size at save time (lazy only)
+    storage_nbytes: int = 0
 
 
 @dataclass
@@ -73,6 +85,9 @@ class SaveJob:
     t_stage: float = 0.0  # perf_counter at the start of stage()
     stage_s: float = 0.0
     blocked_s: float = 0.0  # time the training thread spent in barriers for this job
+    stall_s: float = 0.0  # time stage() waited for host cache space
+    lazy_bytes: int = 0  # bytes left to the background copies (0: all taken at the call)
+    lazy_owners: set[int | None] = field(default_factory=set)  # owners of its lazy tensors
     captured_before_barrier: bool | None = None
     verified: bool = False  # lazy capture checked against version counters
     adhoc: bool = False  # created by write_data for a synchronous dcp.save
@@ -104,13 +119,22 @@ class SaveJob:
         if done:
             self.keepalive.clear()
 
+    def waits_for(self, owners: set[int]) -> bool:
+        """Whether a step of an optimizer with one of these ids must wait for this job."""
+        return None in self.lazy_owners or not self.lazy_owners.isdisjoint(owners)
+
     def modified_tensors(self) -> list[str]:
-        """Names of lazy tensors whose version counter moved since the save call."""
-        return [
-            t.name
-            for t in self.tensors
-            if t.lazy and t.source is not _RELEASED and t.source._version != t.version
-        ]
+        """Lazy tensors changed since the save call: "'name' (why)" for each."""
+        out = []
+        for t in self.tensors:
+            if not t.lazy or t.source is _RELEASED:
+                continue
+            st = t.source.untyped_storage()
+            if st.data_ptr() != t.storage_ptr or st.nbytes() < t.storage_nbytes:
+                out.append(f"'{t.name}' (its storage was freed or resized)")
+            elif t.source._version != t.version:
+                out.append(f"'{t.name}' (modified in place)")
+        return out
 
 
 _RELEASED = torch.empty(0)
@@ -119,32 +143,7 @@ _SEQ = itertools.count(1)
 
 def protected_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     """Storage addresses of everything the given optimizers own (params and state tensors)."""
-    ptrs: set[int] = set()
-
-    def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            local = _local(t)
-            if local.device.type != "meta" and local.numel() > 0:
-                ptrs.add(local.untyped_storage().data_ptr())
-
-    for opt in optimizers:
-        for o in (opt, getattr(opt, "optim", None)):  # ZeroRedundancyOptimizer wraps `optim`
-            if o is None:
-                continue
-            for group in getattr(o, "param_groups", ()):
-                for p in group.get("params", ()):
-                    add(p)
-            for st in getattr(o, "state", {}).values():
-                if isinstance(st, Mapping):
-                    for v in st.values():
-                        add(v)
-    return ptrs
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if DTensor is not None and isinstance(t, DTensor):
-        return t._local_tensor
-    return t
+    return set(owned_storages(optimizers))
 
 
 def _validate(name: str, t: torch.Tensor) -> None:
@@ -166,27 +165,46 @@ def _validate(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"cannot save '{name}': device {local.device} is not supported")
 
 
+@dataclass
+class _Pending:
+    """A tensor leaf of the state dict, registered with the engine, not yet captured."""
+
+    cap: CapturedTensor
+    local: torch.Tensor  # the detached tensor as the user holds it
+    at_call: str  # "must" (taken at the call), "try" (at the call if room, else lazy), "no"
+
+
 class Stager:
-    """Builds save jobs from state dicts for one engine (used by DataStatesWriter.stage)."""
+    """Builds save jobs from state dicts for one engine (used by DataStatesWriter.stage).
+
+    Thread-safety: one ``stage()`` at a time per writer (the training thread); the engine calls
+    it makes are thread-safe.
+    """
 
     def __init__(self, engine: Engine, capture_mode: str) -> None:
         self._engine = engine
         self._mode = capture_mode
+        self._warned_overflow = False
 
     def stage(
-        self, state_dict: Mapping[str, Any], protected: set[int]
+        self, state_dict: Mapping[str, Any], owners: Mapping[int, int]
     ) -> tuple[dict[str, Any], SaveJob]:
-        """Registers every tensor of ``state_dict`` with a new engine job and starts its copies.
+        """Registers every tensor of ``state_dict`` with a new engine job and captures it.
 
-        Returns the staged dict (same structure; new objects for tensor leaves, deep copies of
-        other values) and the job. Raises TypeError naming the key for unsupported values; in that
-        case nothing was started.
+        ``owners`` maps storage addresses to the id of the optimizer owning them (see
+        :func:`dcp_datastates.barrier.owned_storages`); only owned tensors may be lazy (except
+        with ``capture="lazy"``). Returns the staged dict (same structure; new objects for tensor
+        leaves, deep copies of other values) and the job, whose at-call copies are done and
+        whose lazy copies are running. Raises TypeError naming the key for unsupported values;
+        in that case nothing was started.
         """
         t0 = time.perf_counter()
         seq = next(_SEQ)
         job = SaveJob(engine_job=self._engine.create_job(f"save-{seq}"), seq=seq, t_stage=t0)
+        pending: list[_Pending] = []
         try:
-            staged = self._walk(state_dict, "", job, protected)
+            staged = self._walk(state_dict, "", job, owners, pending)
+            self._capture(job, pending)
             self._engine.start_copies(job.engine_job)
         except BaseException:
             self._engine.forget(job.engine_job)
@@ -197,18 +215,21 @@ class Stager:
     def stage_tensor(self, job: SaveJob, name: str, tensor: torch.Tensor) -> CapturedTensor:
         """Registers one tensor for a synchronous save (the caller waits until it is written).
 
-        No clone: contiguous tensors are copied from where they are; others are compacted.
+        No copy into the cache: contiguous tensors are written from where they are; others are
+        compacted first.
         """
         _validate(name, tensor)
         source = tensor.detach().resolve_conj().resolve_neg().contiguous()
         return self._register(job, name, source, source, lazy=False, direct=True)
 
     # -- internals -------------------------------------------------------------------------
-    def _walk(self, obj: Any, path: str, job: SaveJob, protected: set[int]) -> Any:
+    def _walk(
+        self, obj: Any, path: str, job: SaveJob, owners: Mapping[int, int], out: list[_Pending]
+    ) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._stage_tensor(obj, path or "<root>", job, protected)
+            return self._stage_tensor(obj, path or "<root>", job, owners, out)
         if isinstance(obj, Mapping):
-            items = [(k, self._walk(v, _join(path, k), job, protected)) for k, v in obj.items()]
+            items = [(k, self._walk(v, _join(path, k), job, owners, out)) for k, v in obj.items()]
             if type(obj) is dict:
                 return dict(items)
             try:
@@ -216,9 +237,11 @@ class Stager:
             except TypeError:
                 return dict(items)
         if isinstance(obj, list):
-            return [self._walk(v, _join(path, i), job, protected) for i, v in enumerate(obj)]
+            return [self._walk(v, _join(path, i), job, owners, out) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._walk(v, _join(path, i), job, protected) for i, v in enumerate(obj))
+            return tuple(
+                self._walk(v, _join(path, i), job, owners, out) for i, v in enumerate(obj)
+            )
         try:
             return copy.deepcopy(obj)
         except Exception as e:
@@ -226,35 +249,41 @@ class Stager:
                             f"cannot be copied at save time ({e})") from e
 
     def _stage_tensor(
-        self, t: torch.Tensor, name: str, job: SaveJob, protected: set[int]
+        self,
+        t: torch.Tensor,
+        name: str,
+        job: SaveJob,
+        owners: Mapping[int, int],
+        out: list[_Pending],
     ) -> torch.Tensor:
         _validate(name, t)
         local = _local(t).detach()
         is_dtensor = local is not t and DTensor is not None and isinstance(t, DTensor)
         simple = local.is_contiguous() and not local.is_conj() and not local.is_neg()
-        if self._mode == "lazy":
-            lazy = simple
-        elif self._mode == "eager":
-            lazy = False
+        owner = owners.get(local.untyped_storage().data_ptr()) if local.numel() > 0 else None
+        mode = self._mode
+        if mode == "lazy":
+            lazy_ok = simple
+        elif mode == "eager":
+            lazy_ok = False
+        else:  # auto, owned
+            lazy_ok = simple and owner is not None
+        on_cpu = local.device.type == "cpu"
+        if not on_cpu:
+            at_call = "no"
+        elif lazy_ok:
+            at_call = "try" if mode == "auto" else "no"
         else:
-            lazy = (
-                simple
-                and local.numel() > 0
-                and local.untyped_storage().data_ptr() in protected
-            )
-        snapshot_now = False
-        if lazy:
+            at_call = "must"
+        if on_cpu:
+            # Non-contiguous views (and conj/neg bits) are compacted: a transient copy.
+            source = local if simple else local.resolve_conj().resolve_neg().contiguous()
+        elif lazy_ok:
             source = local
         else:
-            source = local.resolve_conj().resolve_neg().contiguous()
-            if source.numel() > 0 and source.data_ptr() == local.data_ptr():
-                # Already contiguous: snapshot it straight into the host cache if there is room
-                # (no allocation); else fall back to a clone below.
-                snapshot_now = source.device.type == "cpu"
-                if not snapshot_now:
-                    source = source.clone()
+            source = local.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
         # A fresh object per save (the detached alias or the clone): the identity key.
-        staged: torch.Tensor = local if lazy or snapshot_now else source
+        staged: torch.Tensor = local if (on_cpu or lazy_ok) else source
         if is_dtensor:
             staged = DTensor.from_local(
                 staged,
@@ -264,16 +293,73 @@ class Stager:
                 shape=t.shape,
                 stride=t.stride(),
             )
-        if snapshot_now:
-            cap = self._register(job, name, staged, source, lazy=False)
-            if not self._engine.capture_now(job.engine_job, cap.entry):
-                clone = source.clone()
-                self._engine.retarget(job.engine_job, cap.entry, clone.data_ptr(), direct=True)
-                cap.source, cap.direct = clone, True
-            return staged
-        # A clone is private to this save: flush it from where it is, no copy into the cache.
-        self._register(job, name, staged, source, lazy, direct=not lazy and source is not local)
+        cap = self._register(job, name, staged, source, lazy=at_call != "must" and lazy_ok)
+        cap.owner = owner if lazy_ok and mode != "lazy" else None
+        if not on_cpu and not lazy_ok:
+            cap.lazy = False  # a private clone: copied in the background, exact already
+        out.append(_Pending(cap, local, at_call))
         return staged
+
+    def _capture(self, job: SaveJob, pending: list[_Pending]) -> None:
+        """Takes the at-call snapshots, then leaves the rest to the background copies."""
+        eng = self._engine
+        cache = eng.cache_bytes
+        chunk = eng.chunk_bytes
+        reserved = 0  # cache bytes this job holds (they drain only after its placement)
+
+        def footprint(c: CapturedTensor) -> int:
+            nchunks = max(1, -(-c.nbytes // chunk))
+            return c.nbytes + nchunks * 4096
+
+        overflow: list[str] = []
+        # State that must be taken now first (it may wait for space), then what may be lazy.
+        for p in sorted(pending, key=lambda p: p.at_call != "must"):
+            cap = p.cap
+            if p.at_call == "no":
+                self._make_lazy(job, cap)
+                continue
+            need = footprint(cap)
+            may_wait = p.at_call == "must" and reserved + need + chunk <= cache
+            t0 = time.perf_counter()
+            taken = eng.capture_now(job.engine_job, cap.entry, wait=False)
+            if not taken and may_wait:
+                taken = eng.capture_now(job.engine_job, cap.entry, wait=True)
+                job.stall_s += time.perf_counter() - t0
+            if taken:
+                reserved += need
+                cap.lazy = False
+                cap.source = _RELEASED  # the cache holds it; the caller may change it now
+                continue
+            if p.at_call == "must":
+                if not (p.local.is_contiguous() and not p.local.is_conj() and not p.local.is_neg()):
+                    # The compacted copy is private to this save: flush it from where it is.
+                    eng.retarget(job.engine_job, cap.entry, cap.source.data_ptr(), direct=True)
+                    cap.direct = True
+                    continue
+                overflow.append(cap.name)
+            self._make_lazy(job, cap)
+        if overflow and not self._warned_overflow:
+            self._warned_overflow = True
+            logger.warning(
+                "host_cache_size (%d MiB) is smaller than the state this save must snapshot at the "
+                "call (%s%s): those tensors are copied lazily and the save fails with CaptureError "
+                "if they change before the next optimizer step. Raise host_cache_size.",
+                cache >> 20,
+                ", ".join(overflow[:3]),
+                " ..." if len(overflow) > 3 else "",
+            )
+
+    def _make_lazy(self, job: SaveJob, cap: CapturedTensor) -> None:
+        if cap.nbytes == 0:
+            cap.lazy = False
+            return
+        if cap.source.device.type == "cpu" or cap.lazy:
+            cap.lazy = True
+            st = cap.source.untyped_storage()
+            cap.storage_ptr, cap.storage_nbytes = st.data_ptr(), st.nbytes()
+            cap.version = cap.source._version
+            job.lazy_owners.add(cap.owner)
+        job.lazy_bytes += cap.nbytes
 
     def _register(
         self,
@@ -323,11 +409,11 @@ def raise_if_modified(job: SaveJob, checkpoint: str) -> None:
     """Raises CaptureError if a lazily captured tensor changed before its capture was verified."""
     changed = job.modified_tensors()
     if changed:
-        shown = ", ".join(f"'{n}'" for n in changed[:5])
+        shown = ", ".join(changed[:5])
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
         raise CaptureError(
-            f"save to {checkpoint} failed: tensor {shown}{more} was modified in place before its "
-            "lazy copy into the host cache was confirmed; the save was not committed. Call "
-            "writer.wait_captured() (or writer.protect(optimizer)) before modifying saved tensors, "
-            "or use capture='eager'."
+            f"save to {checkpoint} failed: tensor {shown}{more} changed before its lazy copy into "
+            "the host cache was confirmed; the save was not committed. Tensors captured lazily "
+            "may change only in their optimizer's step() (which waits for the copy); call "
+            "writer.wait_captured() before changing them elsewhere, or use capture='eager'."
         )

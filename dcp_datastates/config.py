@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-CaptureMode = Literal["auto", "lazy", "eager"]
+CaptureMode = Literal["auto", "owned", "lazy", "eager"]
 
 _UNITS = {
     "": 1,
@@ -72,14 +72,19 @@ class WriterConfig:
         flush_threads: native threads writing the cache to files.
         files_per_rank: data files each rank writes (written in parallel).
         o_direct: write payloads with O_DIRECT (4 KiB-aligned), bypassing the page cache.
-        capture: "auto" copies tensors owned by protected optimizers lazily and snapshots the
-            rest at save time (into the cache, or a clone); "lazy" copies every tensor lazily
-            (the caller must not modify any before ``wait_captured()``); "eager" snapshots every
-            tensor at save time.
+        capture: "auto" copies host tensors into the cache at the save call when it has room
+            and leaves the optimizer-owned ones that do not fit (and CUDA tensors an optimizer
+            owns) to background copies that the owner's next ``step()`` waits for; "owned" (the
+            DataStates policy) copies every optimizer-owned tensor in the background; "lazy"
+            copies every contiguous tensor in the background (the caller must not modify any
+            before ``wait_captured()``); "eager" snapshots every tensor at the call. State that
+            must be taken at the call waits for cache space, it is never cloned.
         checksums: record a CRC-32C per chunk in the manifest.
         durable: fdatasync data files and fsync directories before the commit.
         prefault: touch the cache pages when the writer is created.
         flush_nice: how much lower the OS priority of flush threads is than that of copy threads.
+        idle_priority: run copy and flush threads under SCHED_IDLE.
+        step_barrier: take part in the automatic optimizer-step barrier.
     """
 
     cache_bytes: int
@@ -87,12 +92,14 @@ class WriterConfig:
     copy_threads: int = 2
     flush_threads: int = 2
     files_per_rank: int = 2
-    o_direct: bool = False
+    o_direct: bool = True
     capture: CaptureMode = "auto"
     checksums: bool = True
     durable: bool = True
-    prefault: bool = True
+    prefault: bool = False
     flush_nice: int = 5
+    idle_priority: bool = True
+    step_barrier: bool = True
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -109,7 +116,9 @@ class WriterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.capture not in ("auto", "lazy", "eager"):
-            raise ValueError(f"capture must be 'auto', 'lazy' or 'eager', got {self.capture!r}")
+        if self.capture not in ("auto", "owned", "lazy", "eager"):
+            raise ValueError(
+                f"capture must be 'auto', 'owned', 'lazy' or 'eager', got {self.capture!r}"
+            )
         if not 0 <= self.flush_nice <= 19:
             raise ValueError(f"flush_nice must be within 0..19, got {self.flush_nice!r}")

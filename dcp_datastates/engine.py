@@ -71,6 +71,7 @@ class Engine:
                 checksums=config.checksums,
                 durable=config.durable,
                 flush_nice=config.flush_nice,
+                idle_priority=config.idle_priority,
             )
         except _core.EngineError as e:
             raise CheckpointSaveError(f"cannot create the host cache engine: {e}") from None
@@ -121,10 +122,18 @@ class Engine:
         with translate_errors("cannot start copies"):
             self._core.start_copies(job)
 
-    def capture_now(self, job: int, entry: int) -> bool:
-        """Copies a host entry into the cache now if it fits without waiting (GIL released)."""
+    @property
+    def cache_bytes(self) -> int:
+        return int(self._core.cache_bytes)
+
+    def capture_now(self, job: int, entry: int, wait: bool = False) -> bool:
+        """Copies a contiguous host entry into the cache now, in this thread (GIL released).
+
+        Without ``wait``: False (nothing reserved) if the cache has no room right now. With it:
+        waits for space freed by other saves' flushes (the caller must know it will come).
+        """
         with translate_errors("cannot capture"):
-            return bool(self._core.capture_now(job, entry))
+            return bool(self._core.capture_now(job, entry, wait))
 
     def retarget(self, job: int, entry: int, src: int, direct: bool) -> None:
         with translate_errors("cannot retarget"):

@@ -15,6 +15,7 @@ import struct
 import threading
 import zipfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.serialization import skip_data
@@ -36,26 +37,84 @@ class ArchiveTemplate:
         return len(self.prefix) + self.payload_bytes + len(self.suffix)
 
 
+class _SparseFile(io.RawIOBase):
+    """A seekable in-memory file that stores only the bytes written to it.
+
+    ``torch.save`` under ``skip_data()`` seeks over the payload; a BytesIO would fill that gap
+    with zeros (memory the size of the tensor). Here gaps cost nothing and read back as zeros.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pos = 0
+        self._size = 0
+        self._segments: list[tuple[int, bytes]] = []
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self._segments.append((self._pos, data))
+        self._pos += len(data)
+        self._size = max(self._size, self._pos)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def range(self, start: int, end: int) -> bytes:
+        """The bytes of [start, end) (later writes win; gaps are zeros)."""
+        out = bytearray(max(0, end - start))
+        for off, data in self._segments:
+            a, b = max(off, start), min(off + len(data), end)
+            if a < b:
+                out[a - start : b - start] = data[a - off : b - off]
+        return bytes(out)
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        data = self.range(self._pos, end)
+        self._pos = max(self._pos, end)
+        return data
+
+
 def build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveTemplate:
-    """Builds the archive template of a contiguous CPU tensor of ``dtype`` and ``shape``."""
+    """Builds the archive template of a contiguous CPU tensor of ``dtype`` and ``shape``.
+
+    Touches no tensor-sized memory: the prototype's pages are never faulted in and the payload
+    gap of the archive is never materialised.
+    """
     proto = torch.empty(shape, dtype=dtype)  # never touched: no pages are faulted in
-    buf = io.BytesIO()
+    buf = _SparseFile()
     with skip_data():
         torch.save(proto, buf)
-    raw = buf.getvalue()
     nbytes = proto.numel() * proto.element_size()
-    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+    total = buf.seek(0, 2)
+    buf.seek(0)
+    with zipfile.ZipFile(buf) as z:
         records = [i for i in z.infolist() if i.filename.endswith("/data/0")]
         if len(records) != 1:
             raise RuntimeError(f"unexpected torch.save archive layout: {z.namelist()}")
         info = records[0]
-    fields = _LOCAL_HEADER.unpack_from(raw, info.header_offset)
+    fields = _LOCAL_HEADER.unpack(buf.range(info.header_offset, info.header_offset + 30))
     if fields[0] != _LOCAL_HEADER_SIG or info.compress_type != zipfile.ZIP_STORED:
         raise RuntimeError("unexpected torch.save archive: payload record not stored plainly")
     start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
     if info.file_size != nbytes:
         raise RuntimeError(f"payload record holds {info.file_size} bytes, expected {nbytes}")
-    return ArchiveTemplate(raw[:start], raw[start + nbytes :], nbytes)
+    return ArchiveTemplate(buf.range(0, start), buf.range(start + nbytes, total), nbytes)
 
 
 class TemplateCache:
@@ -109,7 +168,9 @@ class FileLayout:
         f = self._pick()
         start = self.sizes[f]
         payload = start + len(template.prefix)
-        pad = (-payload) % self.payload_align
+        # Page alignment (O_DIRECT) only pays for payloads of at least a page.
+        align = self.payload_align if template.payload_bytes >= self.payload_align else 64
+        pad = (-payload) % align
         start += pad
         payload += pad
         self.sizes[f] = payload + template.payload_bytes + len(template.suffix)

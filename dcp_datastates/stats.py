@@ -30,6 +30,9 @@ class SaveStats:
         flush_gbps: bytes / (t_done - t_stage) in GB/s.
         committed_s: from the save call until ``.metadata`` was written (coordinator only; NaN
             on other ranks), i.e. until the checkpoint became loadable.
+        stall_s: part of ``stage_s`` spent waiting for host cache space (the cache was full
+            of earlier saves' data and this save's state had to be taken at the call).
+        lazy_bytes: bytes left to background copies (the rest was copied at the call).
         error: the failure message, or None.
     """
 
@@ -48,6 +51,8 @@ class SaveStats:
     copy_busy_s: float
     flush_busy_s: float
     error: str | None = None
+    stall_s: float = 0.0
+    lazy_bytes: int = 0
     committed_s: float = float("nan")
     t_committed: float = float("nan")
 

@@ -24,10 +24,11 @@ call                        thread / ranks  what happens here
 staged dict (not a future), so planning and flushing start while copies are still running. This is
 what lets a host cache smaller than one checkpoint work: flushes free space for later copies.
 
-The barrier: ``protect(optimizer)`` installs a step pre-hook calling :meth:`wait_captured`, which
-blocks until every save in flight is in the host cache (and verifies that no lazily captured
-tensor was modified meanwhile). ``should_synchronize_after_execute`` is False: async_save does not
-wait for anything.
+The barrier (:mod:`dcp_datastates.barrier`): a process-wide optimizer step pre-hook makes every
+optimizer's ``step()`` wait until the saves in flight holding lazy copies of *its* tensors have
+them in the host cache, and verifies that none was modified meanwhile; nothing to call.
+``protect(optimizer)`` adds the explicit form (waits for every save, raises their errors).
+``should_synchronize_after_execute`` is False: async_save does not wait for anything.
 
 Threads: stage/protect/wait_captured run in the training thread; the DCP protocol calls run in
 whatever thread runs the save (one per async_save); several saves may be in flight on one writer
@@ -64,7 +65,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import _core
-from .capture import CapturedTensor, SaveJob, Stager, protected_storages, raise_if_modified
+from . import barrier
+from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
 from .commit import CheckpointDir, claim_path, manifest_name, release_path
 from .config import CaptureMode, WriterConfig, parse_size
 from .engine import Engine, engine_time_to_perf
@@ -158,7 +160,6 @@ class DataStatesWriter(StorageWriter):
     Create it once and reuse it for every save (the host cache is allocated once)::
 
         writer = DataStatesWriter("ckpt", host_cache_size=16)   # GiB
-        writer.protect(optimizer)                                # step waits for captures
         dcp.async_save(state, storage_writer=writer, checkpoint_id=f"ckpt/step-{step}")
         ...
         dcp.load(state, checkpoint_id=f"ckpt/step-{step}")      # stock reader
@@ -170,12 +171,18 @@ class DataStatesWriter(StorageWriter):
         chunk_size: largest single copy/write (default "64MiB").
         copy_threads, flush_threads: native worker threads.
         files_per_rank: data files per rank (default: flush_threads); 1 for non-local URLs.
-        o_direct: write payloads with O_DIRECT where the file system allows it.
-        capture: "auto" (default), "lazy" or "eager"; see docs/configuration.md.
+        o_direct: write payloads with O_DIRECT where the file system allows it (default: on; no
+            kernel copy, no page-cache pollution; file systems that refuse it get buffered I/O).
+        capture: "auto" (default), "owned", "lazy" or "eager"; see docs/configuration.md.
         checksums: CRC-32C per chunk, recorded in the manifest (see ``verify_checkpoint``).
         durable: fdatasync data files and fsync directories before the commit.
-        prefault: touch the cache's pages up front (avoids page faults during copies).
+        prefault: touch the cache's pages up front (default: off; pages are faulted in by the
+            first saves, and only as many as the saves in flight need).
         flush_nice: niceness added to flush threads, so copies win the CPU.
+        idle_priority: run the engine's threads under SCHED_IDLE (default: on), so background
+            copies and flushes only use CPU time training leaves idle.
+        step_barrier: take part in the automatic step barrier (default: on). Off: no tensor is
+            captured lazily unless its optimizer was passed to :meth:`protect`.
         pin_memory: page-lock the cache with the CUDA runtime at construction (default: when
             CUDA is available; otherwise it happens on the first save of a CUDA tensor).
     """
@@ -191,12 +198,14 @@ class DataStatesWriter(StorageWriter):
         copy_threads: int = 2,
         flush_threads: int = 2,
         files_per_rank: int | None = None,
-        o_direct: bool = False,
+        o_direct: bool = True,
         capture: CaptureMode = "auto",
         checksums: bool = True,
         durable: bool = True,
-        prefault: bool = True,
+        prefault: bool = False,
         flush_nice: int = 5,
+        idle_priority: bool = True,
+        step_barrier: bool = True,
         pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
@@ -213,6 +222,8 @@ class DataStatesWriter(StorageWriter):
             durable=durable,
             prefault=prefault,
             flush_nice=flush_nice,
+            idle_priority=idle_priority,
+            step_barrier=step_barrier,
         )
         self._engine = Engine(self.config)
         if pin_memory or (pin_memory is None and torch.cuda.is_available()):
@@ -235,6 +246,7 @@ class DataStatesWriter(StorageWriter):
         self._stats: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self._tls = threading.local()
         self._closed = False
+        barrier.register_writer(self)
 
     # ------------------------------------------------------------------------------------------
     # Public API beyond DCP
@@ -245,12 +257,15 @@ class DataStatesWriter(StorageWriter):
     def protect(self, optimizer: torch.optim.Optimizer) -> ProtectHandle:
         """Makes ``optimizer.step()`` wait until every save in flight is in the host cache.
 
-        Also tells ``capture="auto"`` that the optimizer's parameters and state change only in
-        ``step()``, so they are captured lazily (no copy on the save call). Returns a handle whose
-        ``remove()`` undoes both.
+        The automatic step barrier already makes each optimizer wait for the copies of its own
+        tensors, without raising; this explicit form waits for every save in flight and raises
+        their errors (CaptureError, CheckpointSaveError) from ``step()``. It also marks the
+        optimizer as an owner before its first step, and keeps working with
+        ``step_barrier=False``. Returns a handle whose ``remove()`` undoes it.
         """
         if not hasattr(optimizer, "register_step_pre_hook"):
             raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer)!r}")
+        barrier.remember_optimizer(optimizer)
         handle = ProtectHandle(self, optimizer)
         with self._lock:
             self._protects.append(handle)
@@ -278,6 +293,24 @@ class DataStatesWriter(StorageWriter):
                 return False
         self._raise_unreported()
         return True
+
+    def _step_barrier(self, optimizer: torch.optim.Optimizer) -> None:
+        """The automatic barrier (runs before ``optimizer.step()``; see dcp_datastates.barrier).
+
+        Waits for the saves in flight holding lazy copies of this optimizer's tensors. A save
+        that fails here (a tensor changed) is failed and logged, not raised: its future and the
+        next save report it.
+        """
+        if self._closed or not self.config.step_barrier:
+            return
+        ids = barrier.owner_ids(optimizer)
+        with self._lock:
+            jobs = [j for j in self._jobs if not j.verified and not j.finished and j.waits_for(ids)]
+        for job in jobs:
+            try:
+                self._barrier_one(job, None, report=False)
+            except CheckpointSaveError as e:  # pragma: no cover - report=False does not raise
+                logger.warning("%s", e)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until every save in flight is durable (or failed). False on timeout."""
@@ -314,6 +347,7 @@ class DataStatesWriter(StorageWriter):
                 h._hook.remove()
             self._protects.clear()
             self._closed = True
+        barrier.unregister_writer(self)
         self._engine.close()
 
     def __enter__(self) -> DataStatesWriter:
@@ -342,12 +376,14 @@ class DataStatesWriter(StorageWriter):
         """
         self._check_open()
         self._raise_unreported()
-        protected: set[int] = set()
-        if self.config.capture == "auto":
+        owners: dict[int, int] = {}
+        if self.config.capture in ("auto", "owned"):
             with self._lock:
                 opts = [o for o in (h.optimizer for h in self._protects) if o is not None]
-            protected = protected_storages(opts)
-        staged, job = self._stager.stage(state_dict, protected)
+            if self.config.step_barrier:
+                opts += barrier.known_optimizers()
+            owners = barrier.owned_storages(opts)
+        staged, job = self._stager.stage(state_dict, owners)
         with self._lock:
             self._jobs.append(job)
             for key in job.by_staged_id:
@@ -743,7 +779,7 @@ class DataStatesWriter(StorageWriter):
                     del self._by_staged[key]
             self._idle.notify_all()
 
-    def _barrier_one(self, job: SaveJob, timeout: float | None) -> bool:
+    def _barrier_one(self, job: SaveJob, timeout: float | None, report: bool = True) -> bool:
         t0 = time.perf_counter()
         try:
             with job.lock:
@@ -759,6 +795,9 @@ class DataStatesWriter(StorageWriter):
                 job.release_sources()
         except CheckpointSaveError as e:
             self._fail_job(job, e)
+            if not report:
+                logger.warning("%s", e)
+                return True
             job.error_reported = True
             with self._lock:
                 if job in self._unreported:
@@ -795,6 +834,8 @@ class DataStatesWriter(StorageWriter):
             t_done=t_done,
             flush_gbps=(st["bytes_written"] / dur / 1e9) if dur > 0 else math.nan,
             copy_busy_s=float(st["copy_busy_s"]),
+            stall_s=job.stall_s,
+            lazy_bytes=job.lazy_bytes,
             flush_busy_s=float(st["flush_busy_s"]),
             error=str(job.error) if job.error is not None else None,
         )

@@ -65,12 +65,19 @@ def test_async_save_returns_while_copies_are_held(tmp_path: Any, writer_factory:
     assert_state_equal(ref, out)
 
 
-def test_step_hook_blocks_until_copies_land(tmp_path: Any, writer_factory: Any) -> None:
-    """Deterministic barrier test: the copy threads are held; optimizer.step must wait."""
+@pytest.mark.parametrize("explicit", [False, True], ids=["plain-call", "protect"])
+def test_step_hook_blocks_until_copies_land(
+    tmp_path: Any, writer_factory: Any, explicit: bool
+) -> None:
+    """Deterministic barrier test: the copy threads are held; optimizer.step must wait.
+
+    plain-call: nothing but async_save; the automatic step barrier does it.
+    """
     model, opt, gen = make_training()
     train_step(model, opt, gen)
-    w: DataStatesWriter = writer_factory()
-    w.protect(opt)
+    w: DataStatesWriter = writer_factory(capture="owned")
+    if explicit:
+        w.protect(opt)
     ref = copy.deepcopy(state_of(model, opt, 1))
     w.engine.pause_copies(True)
     fut = dcp.async_save(

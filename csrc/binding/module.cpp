@@ -109,7 +109,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<EngineHandle>(m, "Engine")
       .def(py::init([](std::size_t cache_bytes, std::size_t chunk_bytes, int copy_threads,
                        int flush_threads, bool o_direct, bool prefault, bool checksums,
-                       bool durable, int flush_nice) {
+                       bool durable, int flush_nice, bool idle_priority) {
              EngineOptions o;
              o.cache_bytes = cache_bytes;
              o.chunk_bytes = chunk_bytes;
@@ -120,11 +120,13 @@ PYBIND11_MODULE(_core, m) {
              o.checksums = checksums;
              o.durable = durable;
              o.flush_nice = flush_nice;
+             o.idle_priority = idle_priority;
              return std::make_unique<EngineHandle>(o);
            }),
            py::arg("cache_bytes"), py::arg("chunk_bytes") = 64u << 20, py::arg("copy_threads") = 1,
            py::arg("flush_threads") = 2, py::arg("o_direct") = false, py::arg("prefault") = true,
-           py::arg("checksums") = true, py::arg("durable") = true, py::arg("flush_nice") = 5)
+           py::arg("checksums") = true, py::arg("durable") = true, py::arg("flush_nice") = 5,
+           py::arg("idle_priority") = false)
       .def("close", &EngineHandle::close)
       .def_property_readonly("closed", &EngineHandle::closed)
       .def_property_readonly("cache_bytes", [](EngineHandle& h) { return h.get().cache_bytes(); })
@@ -158,13 +160,31 @@ PYBIND11_MODULE(_core, m) {
            py::arg("job"), py::arg("name"), py::arg("src"), py::arg("bytes"),
            py::arg("device") = -1, py::arg("ready_event") = 0, py::arg("direct") = false)
       .def("start_copies", [](EngineHandle& h, std::uint64_t job) { h.get().start_copies(job); })
-      .def("capture_now",
-           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry) {
+      .def("reserve",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, bool wait) {
              Engine& e = h.get();
              py::gil_scoped_release nogil;
-             return e.capture_now(job, entry);
+             return e.reserve(job, entry, wait);
            },
-           "Copies a host entry into the cache now if it fits without waiting (GIL released).")
+           py::arg("job"), py::arg("entry"), py::arg("wait") = false,
+           "Reserves cache space for a host entry the caller copies itself; [] if no room "
+           "(wait=False). The caller must call land() afterwards (GIL released while waiting).")
+      .def("capture_now",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, bool wait) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.capture_now(job, entry, wait);
+           },
+           py::arg("job"), py::arg("entry"), py::arg("wait") = false,
+           "Copies a contiguous host entry into the cache now (GIL released); False if no room "
+           "and not wait.")
+      .def("land",
+           [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, bool ok,
+              const std::string& error, double busy_s) {
+             h.get().land(job, entry, ok, error, busy_s);
+           },
+           py::arg("job"), py::arg("entry"), py::arg("ok") = true, py::arg("error") = "",
+           py::arg("busy_s") = 0.0)
       .def("retarget",
            [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::uintptr_t src,
               bool direct) { h.get().retarget(job, entry, src, direct); })

@@ -1,8 +1,12 @@
 #include "engine.hpp"
 
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstring>
@@ -25,6 +29,45 @@ std::size_t clamp_chunk(const EngineOptions& o) {
   // Keep chunks page multiples so that every chunk of a page-aligned payload stays page-aligned.
   if (c >= PosixFile::kDirectAlign) c = c / PosixFile::kDirectAlign * PosixFile::kDirectAlign;
   return c;
+}
+
+// Copies host memory that the caller may have freed meanwhile (a lazily captured tensor whose
+// storage was resized or released after the save call). process_vm_readv on this very process
+// reads through the kernel, which reports an unmapped source as EFAULT instead of delivering
+// SIGSEGV to the copy thread. Where the call is unavailable (seccomp, old kernels) it falls back
+// to memcpy, and a freed source is then only caught by the caller's storage check.
+std::atomic<int> g_vm_readv{1};  // 1: use process_vm_readv; 0: unavailable, use memcpy
+
+void checked_host_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes,
+                       const std::string& name) {
+  std::size_t done = 0;
+  while (done < bytes && g_vm_readv.load(std::memory_order_relaxed) == 1) {
+    iovec local{dst + done, bytes - done};
+    iovec remote{const_cast<std::uint8_t*>(src) + done, bytes - done};
+    const ssize_t n = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
+    if (n > 0) {
+      done += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if ((n < 0 && errno == EFAULT) || n == 0) {
+      DCPDS_CHECK(false, "the memory of '" + name +
+                             "' is no longer readable: its storage was freed or resized after "
+                             "the save call, before its copy into the host cache");
+    }
+    g_vm_readv.store(0);  // ENOSYS, EPERM (seccomp): plain copies from now on
+  }
+  if (done < bytes) std::memcpy(dst + done, src + done, bytes - done);
+}
+
+void set_thread_priority(const EngineOptions& o, bool flush) {
+  const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  if (o.idle_priority) {
+    sched_param param{};
+    param.sched_priority = 0;
+    if (::sched_setscheduler(tid, SCHED_IDLE, &param) == 0) return;  // best effort
+  }
+  if (flush && o.flush_nice > 0) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), o.flush_nice);
 }
 
 }  // namespace
@@ -95,7 +138,7 @@ void Engine::fail_locked(Job& job, const std::string& message) {
 
 void Engine::resolve_copy_locked(Job& job, Chunk& chunk) {
   (void)chunk;
-  if (job.uncaptured > 0 && --job.uncaptured == 0 && !job.captured) {
+  if (job.uncaptured > 0 && --job.uncaptured == 0 && job.started && !job.captured) {
     job.captured = true;
     job.stats.captured_s = now_s();
   }
@@ -217,6 +260,7 @@ void Engine::start_copies(std::uint64_t job_id) {
       ++job.uncaptured;
     }
   }
+  job.started = true;
   if (job.uncaptured == 0 && !job.captured) {
     job.captured = true;
     job.stats.captured_s = now_s();
@@ -226,52 +270,110 @@ void Engine::start_copies(std::uint64_t job_id) {
   state_cv_.notify_all();
 }
 
-bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry) {
-  std::vector<std::size_t> offsets;
-  std::vector<std::pair<std::size_t, std::size_t>> spans;  // (entry offset, bytes)
-  const std::uint8_t* src;
+std::vector<std::size_t> Engine::reserve(std::uint64_t job_id, std::uint32_t entry, bool wait) {
+  std::vector<std::size_t> sizes;
+  Job* job;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Job& job = job_locked(job_id);
-    check_failed_locked(job);
-    DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
-    Entry& e = job.entries[entry];
+    job = &job_locked(job_id);
+    check_failed_locked(*job);
+    DCPDS_CHECK(entry < job->entries.size(), "unknown entry " + std::to_string(entry));
+    const Entry& e = job->entries[entry];
     DCPDS_CHECK(!e.queued && e.device < 0 && !e.direct,
-                "entry '" + e.name + "' cannot be captured in the calling thread");
-    for (const auto& c : e.chunks) spans.emplace_back(c.entry_offset, c.bytes);
-    src = reinterpret_cast<const std::uint8_t*>(e.src);
+                "entry '" + e.name + "' cannot be captured by the caller");
+    for (const auto& c : e.chunks) sizes.push_back(c.bytes);
   }
-  for (const auto& sp : spans) {
-    auto off = ring_.try_allocate(sp.second, align_);
-    if (!off) {
-      for (std::size_t o : offsets) ring_.release(o);
-      return false;
+  std::vector<std::size_t> offsets;
+  auto undo = [&] {
+    for (std::size_t o : offsets) ring_.release(o);
+    offsets.clear();
+  };
+  std::atomic<bool>& failed = job->failed;
+  for (std::size_t bytes : sizes) {
+    std::optional<std::size_t> off;
+    if (wait) {
+      std::uint64_t ticket;
+      {
+        std::lock_guard<std::mutex> lock(mu_);  // tickets in the same order as the copy threads'
+        ticket = ring_.take_ticket();
+      }
+      off = ring_.allocate_with_ticket(ticket, bytes, align_, [&] { return failed.load(); });
+      if (!off) {
+        undo();
+        std::lock_guard<std::mutex> lock(mu_);
+        check_failed_locked(*job);
+        DCPDS_CHECK(false, "the engine was closed while a save waited for host cache space");
+      }
+    } else {
+      off = ring_.try_allocate(bytes, align_);
+      if (!off) {
+        undo();
+        return {};
+      }
     }
     offsets.push_back(*off);
   }
-  const double t0 = now_s();
-  for (std::size_t i = 0; i < spans.size(); ++i)
-    std::memcpy(cache_.data() + offsets[i], src + spans[i].first, spans[i].second);
   std::lock_guard<std::mutex> lock(mu_);
-  Job& job = job_locked(job_id);
-  Entry& e = job.entries[entry];
+  if (job->failed.load()) {
+    undo();
+    check_failed_locked(*job);
+  }
+  Entry& e = job->entries[entry];
   e.queued = true;
-  job.stats.copy_busy_s += now_s() - t0;
   for (std::size_t i = 0; i < e.chunks.size(); ++i) {
     Chunk& c = e.chunks[i];
     c.cache_offset = offsets[i];
-    ++job.outstanding;
-    job.stats.bytes_copied += c.bytes;
+    c.state = ChunkState::kCopying;  // held by the caller until land()
+    ++job->uncaptured;
+    ++job->outstanding;
+  }
+  return offsets;
+}
+
+void Engine::land(std::uint64_t job_id, std::uint32_t entry, bool ok, const std::string& error,
+                  double busy_s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+  Entry& e = job.entries[entry];
+  job.stats.copy_busy_s += busy_s;
+  for (std::size_t i = 0; i < e.chunks.size(); ++i) {
+    Chunk& c = e.chunks[i];
+    if (c.state != ChunkState::kCopying) continue;
+    resolve_copy_locked(job, c);
     c.state = ChunkState::kLanded;
-    if (job.failed.load() || e.placement == Placement::kSkip) {
+    if (!ok || job.failed.load() || e.placement == Placement::kSkip) {
       finish_chunk_locked(job, e, c, ChunkState::kSkipped);
-    } else if (e.placement == Placement::kFile) {
-      c.state = ChunkState::kFlushing;
-      enqueue_flush_locked(FlushTask{FlushKind::kChunk, job_id, entry, static_cast<std::uint32_t>(i)});
+    } else {
+      job.stats.bytes_copied += c.bytes;
+      if (e.placement == Placement::kFile) {
+        c.state = ChunkState::kFlushing;
+        enqueue_flush_locked(
+            FlushTask{FlushKind::kChunk, job_id, entry, static_cast<std::uint32_t>(i)});
+      }
     }
   }
+  if (!ok) fail_locked(job, "copy of '" + e.name + "' failed: " + error);
   maybe_finalize_locked(job);
   state_cv_.notify_all();
+}
+
+bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry, bool wait) {
+  std::vector<std::pair<const std::uint8_t*, std::size_t>> spans;  // (source, bytes) per chunk
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Job& job = job_locked(job_id);
+    DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
+    const Entry& e = job.entries[entry];
+    for (const auto& c : e.chunks)
+      spans.emplace_back(reinterpret_cast<const std::uint8_t*>(e.src) + c.entry_offset, c.bytes);
+  }
+  const std::vector<std::size_t> offsets = reserve(job_id, entry, wait);
+  if (offsets.size() != spans.size()) return false;  // no room (nothing reserved)
+  const double t0 = now_s();
+  for (std::size_t i = 0; i < spans.size(); ++i)
+    std::memcpy(cache_.data() + offsets[i], spans[i].first, spans[i].second);
+  land(job_id, entry, true, "", now_s() - t0);
   return true;
 }
 
@@ -305,7 +407,7 @@ void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, CudaRunt
                      CudaRuntime::Event done_event, int& current_device) {
   const auto* src = reinterpret_cast<const std::uint8_t*>(e.src) + c.entry_offset;
   if (e.device < 0) {
-    std::memcpy(dst, src, c.bytes);
+    checked_host_copy(dst, src, c.bytes, e.name);
     return;
   }
   if (current_device != e.device) {
@@ -322,6 +424,7 @@ void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, CudaRunt
 }
 
 void Engine::copy_loop(int /*index*/) {
+  set_thread_priority(options_, /*flush=*/false);
   // Per-thread CUDA resources, created on first use, one stream/event per device.
   std::map<int, std::pair<CudaRuntime::Stream, CudaRuntime::Event>> cuda_res;
   int current_device = -1;
@@ -521,6 +624,11 @@ void Engine::seal(std::uint64_t job_id) {
     }
   }
   job.sealed = true;
+  job.started = true;  // nothing more will be queued
+  if (job.uncaptured == 0 && !job.captured) {
+    job.captured = true;
+    job.stats.captured_s = now_s();
+  }
   maybe_finalize_locked(job);
   state_cv_.notify_all();
 }
@@ -651,10 +759,7 @@ void Engine::do_finalize(Job& job) {
 }
 
 void Engine::flush_loop(int /*index*/) {
-  if (options_.flush_nice > 0) {
-    // Lower this thread's priority only (Linux: setpriority on a thread id). Best effort.
-    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), options_.flush_nice);
-  }
+  set_thread_priority(options_, /*flush=*/true);  // this thread only; best effort
   for (;;) {
     FlushTask task{};
     Job* job = nullptr;

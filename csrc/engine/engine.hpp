@@ -61,6 +61,8 @@ struct EngineOptions {
   bool checksums = true;                 // CRC-32C per chunk
   bool durable = true;                   // fdatasync data files before a job is done
   int flush_nice = 5;                    // added niceness of flush threads (0: same as copies)
+  bool idle_priority = false;            // run copy and flush threads under SCHED_IDLE: they get
+                                         // only CPU time no other thread of the machine wants
 };
 
 struct ChunkRecord {
@@ -113,12 +115,22 @@ class Engine {
                           std::size_t bytes, int device, std::uintptr_t ready_event,
                           bool direct = false);
   void start_copies(std::uint64_t job);  // queues the copies of every entry added so far
-  // Copies a host entry into the cache now, in the calling thread, if the cache has room for
-  // all of it without waiting; false (nothing reserved) otherwise. The source may change as
-  // soon as this returns true. Used to snapshot eagerly without allocating a clone.
-  bool capture_now(std::uint64_t job, std::uint32_t entry);
-  // Points a not yet started entry at another host source (e.g. a clone after capture_now
-  // failed); `direct` as in add_entry.
+  // Caller-side capture (the save call snapshots a host entry itself, e.g. with a parallel copy):
+  // reserve() takes cache space for every chunk of a not yet started, non-direct host entry and
+  // returns the chunks' cache offsets (chunk order); the caller copies the bytes there and then
+  // MUST call land() exactly once for the entry (ok=false fails the job with `error`), or the
+  // job can never finish. Without `wait`, reserve() returns an empty vector (nothing reserved)
+  // when the cache has no room right now; with `wait` it blocks in FIFO order behind earlier
+  // requests until space is released, which only ever happens through other work's flushes:
+  // the caller must know that enough space will be freed without this job's own progress.
+  // Throws if the job failed or the engine closed meanwhile.
+  std::vector<std::size_t> reserve(std::uint64_t job, std::uint32_t entry, bool wait);
+  void land(std::uint64_t job, std::uint32_t entry, bool ok, const std::string& error,
+            double busy_s);
+  // reserve() + a memcpy from the entry's source in the calling thread + land(): snapshots a
+  // contiguous host entry at the save call. False (nothing reserved) if !wait and no room now.
+  bool capture_now(std::uint64_t job, std::uint32_t entry, bool wait);
+  // Points a not yet started entry at another host source; `direct` as in add_entry.
   void retarget(std::uint64_t job, std::uint32_t entry, std::uintptr_t src, bool direct);
 
   // --- place
@@ -200,6 +212,7 @@ class Engine {
     std::vector<std::unique_ptr<PosixFile>> files;
     std::vector<RawWrite> raws;
     bool sealed = false;
+    bool started = false;  // start_copies() or seal() ran: captured may be decided
     bool finalizing = false;
     bool captured = false;
     bool done = false;
