@@ -99,7 +99,7 @@ def build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveTemplat
     proto = torch.empty(shape, dtype=dtype)  # never touched: no pages are faulted in
     buf = _SparseFile()
     with skip_data():
-        torch.save(proto, buf)
+        torch.save(proto, buf)  # type: ignore[arg-type]  # a seekable binary file
     nbytes = proto.numel() * proto.element_size()
     total = buf.seek(0, 2)
     buf.seek(0)

@@ -64,8 +64,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _core
-from . import barrier
+from . import _core, barrier
 from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
 from .commit import CheckpointDir, claim_path, manifest_name, release_path
 from .config import CaptureMode, WriterConfig, parse_size
