@@ -12,6 +12,7 @@ device=0 or 1. What this proves and what only a GPU can is written in docs/archi
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import _core
 
@@ -234,7 +237,9 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_copy_is_ordered_after_the_event_recorded_at_the_save_call(sim: Sim, tmp_path: Path) -> None:
+def test_copy_is_ordered_after_the_event_recorded_at_the_save_call(
+    sim: Sim, tmp_path: Path
+) -> None:
     n = 1 << 20
     dev = np.zeros(n, np.uint8)  # the "device tensor"
     produced, later = pattern(n, 1), pattern(n, 2)
@@ -371,6 +376,34 @@ def test_pinning_failure_falls_back_to_pageable_copies(sim: Sim, tmp_path: Path)
     assert_released(sim)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_writer_warns_and_works_when_the_cache_cannot_be_pinned(
+    sim: Sim, tmp_path: Path, writer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_datastates import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "loaded_cuda_runtime", lambda: sim.path)
+    sim.fail("cudaHostRegister", error=OUT_OF_MEMORY, times=-1)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("dcp_datastates.engine")
+    log.addHandler(handler)
+    try:
+        w = writer_factory(host_cache_size="1MiB", chunk_size="64KiB", pin_memory=True)
+    finally:
+        log.removeHandler(handler)
+    assert any("could not be pinned" in r.getMessage() and "out of memory" in r.getMessage()
+               for r in records)
+    sd = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}
+    dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    out = {"w": torch.zeros(100_000), "step": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 3
+    w.close()
+    assert_released(sim)
+
+
 def test_missing_runtime_is_a_clear_error(tmp_path: Path) -> None:
     eng = _core.Engine(cache_bytes=1 << 20, prefault=False)
     with pytest.raises(_core.EngineError, match="cannot load the CUDA runtime .*nope.so"):
@@ -493,7 +526,7 @@ def test_failed_job_counts_as_captured_only_after_its_copies_in_flight(sim: Sim)
     job = eng.create_job("aborted")
     eng.add_entry(job, "w", dev.ctypes.data, dev.nbytes, 0, ready)
     eng.start_copies(job)
-    sim.wait_count("calls:cudaEventSynchronize", syncs + 1)  # the copy is issued and waits for compute
+    sim.wait_count("calls:cudaEventSynchronize", syncs + 1)  # issued, waiting for compute
     eng.abort(job, "stopped by the test")
     assert not eng.is_captured(job)
     assert not eng.wait_captured(job, 0.2)
