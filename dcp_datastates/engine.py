@@ -86,11 +86,15 @@ class Engine:
         self._core.close()
 
     def enable_cuda(self) -> None:
-        """Loads the CUDA runtime torch loaded and pins the host cache (once)."""
+        """Loads the CUDA runtime torch loaded and pins the host cache (once). A cache that
+        cannot be pinned is used pageable (correct, slower D2H copies), with a warning."""
         if self._core.cuda_enabled:
             return
         with translate_errors("cannot enable CUDA copies"):
             self._core.enable_cuda(loaded_cuda_runtime())
+        if not self._core.cache_pinned:
+            logger.warning("the host cache could not be pinned, device-to-host copies will be "
+                           "slower: %s", self._core.pin_error)
 
     # -- pass-through, typed -----------------------------------------------------------------
     @property

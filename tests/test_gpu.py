@@ -1,15 +1,24 @@
 """CUDA path (marked `gpu`; skipped without a CUDA device): D2H copies issued by the engine on its
-own stream, ordered after the compute stream by an event recorded at save time."""
+own stream, ordered after the compute stream by an event recorded at save time.
+
+The same properties are checked on CPU, against a simulated runtime, by tests/test_cuda_sim.py:
+event ordering, several copy threads and chunking through a small cache, a failing call failing
+only its job, close() with copies in flight. Here they meet the real driver, DMA and pinned memory
+(see docs/architecture.md, "CUDA path")."""
 
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal
+
+from dcp_datastates import _core
+from dcp_datastates.engine import loaded_cuda_runtime
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,8 +37,8 @@ def _cpu(sd: Any) -> Any:
     return copy.deepcopy(sd)
 
 
-@pytest.mark.parametrize("cache", ["64MiB", "1MiB"])
-def test_cuda_roundtrip(tmp_path: Any, writer_factory: Any, cache: str) -> None:
+@pytest.mark.parametrize(("cache", "copy_threads"), [("64MiB", 1), ("1MiB", 1), ("1MiB", 3)])
+def test_cuda_roundtrip(tmp_path: Any, writer_factory: Any, cache: str, copy_threads: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     sd = {
         "w": torch.randn(1024, 1024, device="cuda", generator=g),
@@ -38,7 +47,9 @@ def test_cuda_roundtrip(tmp_path: Any, writer_factory: Any, cache: str) -> None:
         "step": 5,
     }
     ref = _cpu(sd)
-    w = writer_factory(host_cache_size=cache, chunk_size="256KiB", capture="lazy")
+    w = writer_factory(host_cache_size=cache, chunk_size="256KiB", capture="lazy",
+                       copy_threads=copy_threads)
+    assert w._engine._core.cache_pinned, w._engine._core.pin_error
     dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c")).result()
     out = {k: (torch.zeros_like(v).cpu() if isinstance(v, torch.Tensor) else 0)
            for k, v in ref.items()}
@@ -90,3 +101,74 @@ def test_lazy_cuda_training_loop_is_exact(tmp_path: Any, writer_factory: Any) ->
         out = _cpu(ref)
         dcp.load(out, checkpoint_id=str(tmp_path / f"s{step}"))
         assert_state_equal(ref, out)
+
+
+def _engine() -> Any:
+    eng = _core.Engine(cache_bytes=1 << 20, chunk_bytes=64 << 10, copy_threads=2, prefault=False)
+    eng.enable_cuda(loaded_cuda_runtime())
+    assert eng.cuda_enabled and eng.cache_pinned, eng.pin_error
+    return eng
+
+
+def _save(eng: Any, path: Any, name: str, t: torch.Tensor, device: int, event: int) -> int:
+    job = eng.create_job(name)
+    e = eng.add_entry(job, name, t.data_ptr(), t.numel() * t.element_size(), device, event)
+    eng.start_copies(job)
+    try:
+        eng.place(job, e, eng.open_file(job, str(path)), 0, b"", b"")
+        eng.seal(job)
+    except _core.EngineError:
+        pass  # failed already: wait_done raises
+    return job
+
+
+def test_failing_cuda_call_fails_only_its_job(tmp_path: Any) -> None:
+    """A real driver error (an invalid device ordinal: cudaSetDevice fails) fails the job naming
+    the tensor, leaves no CUDA error behind for torch, and the engine goes on."""
+    eng = _engine()
+    t = torch.arange(100_000, dtype=torch.float32, device="cuda")
+    ev = torch.cuda.Event()
+    ev.record()
+    job = _save(eng, tmp_path / "bad", "bad.weight", t, torch.cuda.device_count(), 0)
+    with pytest.raises(_core.EngineError, match="'bad.weight'.*cudaSetDevice"):
+        eng.wait_done(job, 60)
+    eng.forget(job)
+    (t * 2).sum().item()  # a kernel launch on this thread still works
+    job = _save(eng, tmp_path / "good", "w", t, t.device.index or 0, int(ev.cuda_event))
+    assert eng.wait_done(job, 60)
+    got = torch.frombuffer(bytearray((tmp_path / "good").read_bytes()), dtype=torch.float32)
+    assert torch.equal(got, t.cpu())
+    eng.forget(job)
+    eng.close()
+
+
+def test_close_with_copies_in_flight_on_the_device(tmp_path: Any) -> None:
+    """close() while the copies still wait for a long computation: it returns once the issued
+    copies land, drops the others, and the process's CUDA state stays healthy."""
+    eng = _engine()
+    a = torch.randn(4096, 4096, device="cuda")
+    x = torch.zeros(4096, 4096, device="cuda")
+    for _ in range(8):
+        x.add_(a @ a)
+    ev = torch.cuda.Event()
+    ev.record()
+    job = eng.create_job("in flight")
+    eng.add_entry(job, "x", x.data_ptr(), x.numel() * 4, x.device.index or 0, int(ev.cuda_event))
+    eng.start_copies(job)
+    closer = threading.Thread(target=eng.close, daemon=True)
+    closer.start()
+    closer.join(120)
+    assert not closer.is_alive(), "close() hung"
+    torch.cuda.synchronize()
+    assert torch.isfinite(x).all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_one_save_across_two_devices(tmp_path: Any, writer_factory: Any) -> None:
+    sd = {"a": torch.randn(300_000, device="cuda:0"), "b": torch.randn(200_001, device="cuda:1")}
+    ref = _cpu(sd)
+    w = writer_factory(host_cache_size="1MiB", chunk_size="128KiB", copy_threads=2, capture="lazy")
+    dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c")).result()
+    out = {k: torch.zeros_like(v) for k, v in ref.items()}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert_state_equal(ref, out)

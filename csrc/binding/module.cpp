@@ -149,6 +149,9 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("runtime_path") = "")
       .def_property_readonly("cuda_enabled", [](EngineHandle& h) { return h.get().cuda_enabled(); })
+      .def_property_readonly("cache_pinned", [](EngineHandle& h) { return h.get().cache_pinned(); })
+      .def_property_readonly("pin_error", [](EngineHandle& h) { return h.get().pin_error(); },
+                             "Why enable_cuda() left the cache pageable (\"\" if pinned).")
       .def("create_job", [](EngineHandle& h, const std::string& label) {
         return h.get().create_job(label);
       })

@@ -9,8 +9,9 @@ namespace {
 
 constexpr int kMemcpyDeviceToHost = 2;
 constexpr unsigned kStreamNonBlocking = 1;
+constexpr unsigned kEventBlockingSync = 1;
 constexpr unsigned kEventDisableTiming = 2;
-constexpr unsigned kHostRegisterDefault = 0;
+constexpr unsigned kHostRegisterPortable = 1;
 
 void* open_runtime(const std::string& path, std::string& used) {
   if (!path.empty()) {
@@ -57,6 +58,8 @@ CudaRuntime::CudaRuntime(const std::string& library_path) {
   resolve(handle_, "cudaStreamWaitEvent", stream_wait_event_, path_);
   resolve(handle_, "cudaEventRecord", event_record_, path_);
   resolve(handle_, "cudaEventSynchronize", event_synchronize_, path_);
+  resolve(handle_, "cudaStreamSynchronize", stream_synchronize_, path_);
+  resolve(handle_, "cudaGetLastError", get_last_error_, path_);
   resolve(handle_, "cudaMemcpyAsync", memcpy_async_, path_);
   resolve(handle_, "cudaGetErrorString", error_string_, path_);
 }
@@ -67,6 +70,7 @@ CudaRuntime::~CudaRuntime() {
 
 void CudaRuntime::check(int status, const char* what) const {
   if (status == 0) return;
+  get_last_error_();  // clear this thread's last error: see the header
   const char* msg = error_string_ ? error_string_(status) : "unknown error";
   DCPDS_CHECK(false, std::string(what) + " failed: " + (msg ? msg : "?") + " (cudaError " +
                          std::to_string(status) + ")");
@@ -75,10 +79,12 @@ void CudaRuntime::check(int status, const char* what) const {
 void CudaRuntime::set_device(int device) const { check(set_device_(device), "cudaSetDevice"); }
 
 void CudaRuntime::host_register(void* ptr, std::size_t bytes) const {
-  check(host_register_(ptr, bytes, kHostRegisterDefault), "cudaHostRegister of the host cache");
+  check(host_register_(ptr, bytes, kHostRegisterPortable), "cudaHostRegister of the host cache");
 }
 
-void CudaRuntime::host_unregister(void* ptr) const noexcept { host_unregister_(ptr); }
+void CudaRuntime::host_unregister(void* ptr) const noexcept {
+  if (host_unregister_(ptr) != 0) get_last_error_();
+}
 
 CudaRuntime::Stream CudaRuntime::create_stream() const {
   Stream s = nullptr;
@@ -86,15 +92,29 @@ CudaRuntime::Stream CudaRuntime::create_stream() const {
   return s;
 }
 
-void CudaRuntime::destroy_stream(Stream s) const noexcept { stream_destroy_(s); }
+void CudaRuntime::destroy_stream(Stream s) const noexcept {
+  if (stream_destroy_(s) != 0) get_last_error_();
+}
+
+void CudaRuntime::synchronize_stream(Stream s) const {
+  check(stream_synchronize_(s), "cudaStreamSynchronize");
+}
+
+bool CudaRuntime::try_synchronize_stream(Stream s) const noexcept {
+  if (stream_synchronize_(s) == 0) return true;
+  get_last_error_();
+  return false;
+}
 
 CudaRuntime::Event CudaRuntime::create_event() const {
   Event e = nullptr;
-  check(event_create_(&e, kEventDisableTiming), "cudaEventCreateWithFlags");
+  check(event_create_(&e, kEventBlockingSync | kEventDisableTiming), "cudaEventCreateWithFlags");
   return e;
 }
 
-void CudaRuntime::destroy_event(Event e) const noexcept { event_destroy_(e); }
+void CudaRuntime::destroy_event(Event e) const noexcept {
+  if (event_destroy_(e) != 0) get_last_error_();
+}
 
 void CudaRuntime::stream_wait_event(Stream s, Event e) const {
   check(stream_wait_event_(s, e, 0), "cudaStreamWaitEvent");

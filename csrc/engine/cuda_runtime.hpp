@@ -7,7 +7,13 @@
 // Thread-safety: all methods are const and may be called from any thread (the CUDA runtime is
 // thread-safe); device selection is per thread, so callers call set_device() in the thread that
 // issues work.
-// Errors: every failing call throws EngineError with the runtime's error string.
+// Errors: every failing call throws EngineError with the runtime's error string. A failing call
+// also clears the calling thread's "last error" (cudaGetLastError): the runtime is the one torch
+// uses, and torch reads that slot after each kernel launch, so an error of ours left there would
+// surface as a spurious failure of the next kernel on the training thread. The noexcept teardown
+// calls (destroy, unregister) ignore their errors the same way.
+// Testing: any library exporting these entry points with CUDA's semantics can be loaded instead;
+// tests/cuda_sim/simcudart.cpp is such a stand-in, used to run the engine's CUDA path on CPU.
 #pragma once
 
 #include <cstddef>
@@ -28,11 +34,19 @@ class CudaRuntime {
   CudaRuntime& operator=(const CudaRuntime&) = delete;
 
   void set_device(int device) const;
+  // Page-locks [ptr, ptr+bytes) for every device (cudaHostRegisterPortable): the copy threads
+  // copy from whichever device an entry lives on into the same cache.
   void host_register(void* ptr, std::size_t bytes) const;
   void host_unregister(void* ptr) const noexcept;
   Stream create_stream() const;                 // non-blocking stream on the current device
   void destroy_stream(Stream s) const noexcept;
-  Event create_event() const;                   // timing disabled
+  void synchronize_stream(Stream s) const;
+  // Waits for everything queued on `s`; returns false instead of throwing. Used on failure paths,
+  // before memory a queued copy writes into is handed to anyone else.
+  bool try_synchronize_stream(Stream s) const noexcept;
+  // Timing disabled; blocking sync, so that a copy thread waiting in synchronize_event() sleeps
+  // instead of spinning a CPU core that training's data loaders could use.
+  Event create_event() const;
   void destroy_event(Event e) const noexcept;
   void stream_wait_event(Stream s, Event e) const;
   void record_event(Event e, Stream s) const;
@@ -57,6 +71,8 @@ class CudaRuntime {
   int (*stream_wait_event_)(Stream, Event, unsigned) = nullptr;
   int (*event_record_)(Event, Stream) = nullptr;
   int (*event_synchronize_)(Event) = nullptr;
+  int (*stream_synchronize_)(Stream) = nullptr;
+  int (*get_last_error_)() = nullptr;
   int (*memcpy_async_)(void*, const void*, std::size_t, int, Stream) = nullptr;
   const char* (*error_string_)(int) = nullptr;
 };

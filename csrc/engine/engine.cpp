@@ -70,6 +70,20 @@ void set_thread_priority(const EngineOptions& o, bool flush) {
   if (flush && o.flush_nice > 0) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), o.flush_nice);
 }
 
+// One copy thread's stream and event on `device`: both or neither, so that a failure to create
+// the second leaks nothing.
+std::pair<CudaRuntime::Stream, CudaRuntime::Event> create_copy_resources(const CudaRuntime& cuda,
+                                                                         int device) {
+  cuda.set_device(device);
+  CudaRuntime::Stream stream = cuda.create_stream();
+  try {
+    return {stream, cuda.create_event()};
+  } catch (...) {
+    cuda.destroy_stream(stream);
+    throw;
+  }
+}
+
 }  // namespace
 
 Engine::Engine(const EngineOptions& options)
@@ -419,8 +433,16 @@ void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, CudaRunt
   if (e.ready_event != 0)
     cuda_->stream_wait_event(stream, reinterpret_cast<CudaRuntime::Event>(e.ready_event));
   cuda_->memcpy_d2h_async(dst, src, c.bytes, stream);
-  cuda_->record_event(done_event, stream);
-  cuda_->synchronize_event(done_event);
+  try {
+    cuda_->record_event(done_event, stream);
+    cuda_->synchronize_event(done_event);
+  } catch (...) {
+    // The copy may still be queued or running: its cache space must not be released (and
+    // reused) before it has landed. If even this fails, the device is in a sticky error state,
+    // where queued work no longer runs.
+    cuda_->try_synchronize_stream(stream);
+    throw;
+  }
 }
 
 void Engine::copy_loop(int /*index*/) {
@@ -473,11 +495,9 @@ void Engine::copy_loop(int /*index*/) {
         if (e.device >= 0) {
           auto rit = cuda_res.find(e.device);
           if (rit == cuda_res.end()) {
-            cuda_->set_device(e.device);
+            current_device = -1;  // unknown until create_copy_resources' set_device succeeds
+            rit = cuda_res.emplace(e.device, create_copy_resources(*cuda_, e.device)).first;
             current_device = e.device;
-            rit = cuda_res.emplace(e.device, std::make_pair(cuda_->create_stream(),
-                                                            cuda_->create_event()))
-                      .first;
           }
           stream = rit->second.first;
           ev = rit->second.second;
@@ -820,7 +840,11 @@ void Engine::flush_loop(int /*index*/) {
 bool Engine::wait_job(std::uint64_t job_id, double timeout_s, bool until_done) {
   std::unique_lock<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
-  auto ready = [&] { return until_done ? job.done : (job.failed.load() || job.captured); };
+  // A failed job counts as captured only once no copy of it is in flight, so that the caller may
+  // free its sources and ready events as soon as this returns, whatever the outcome.
+  auto ready = [&] {
+    return until_done ? job.done : (job.captured || (job.failed.load() && job.uncaptured == 0));
+  };
   if (timeout_s < 0) {
     state_cv_.wait(lock, ready);
   } else if (!state_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
@@ -841,7 +865,7 @@ bool Engine::wait_done(std::uint64_t job_id, double timeout_s) {
 bool Engine::is_captured(std::uint64_t job_id) {
   std::lock_guard<std::mutex> lock(mu_);
   const Job& job = job_locked(job_id);
-  return job.captured || job.failed.load();
+  return job.captured || (job.failed.load() && job.uncaptured == 0);
 }
 
 bool Engine::is_done(std::uint64_t job_id) {
@@ -899,11 +923,29 @@ EngineCounters Engine::counters() {
 }
 
 void Engine::enable_cuda(const std::string& runtime_path) {
+  // cuda_mu_ serializes enable_cuda() calls; mu_ is not held while the runtime loads and the
+  // cache is registered (seconds for a large cache), so copies and flushes go on meanwhile.
+  std::lock_guard<std::mutex> cuda_lock(cuda_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cuda_ != nullptr) return;
+  }
+  auto rt = std::make_unique<CudaRuntime>(runtime_path);  // throws if it cannot be loaded
+  std::string pin_error;
+  try {
+    cache_.pin(*rt);
+  } catch (const std::exception& ex) {
+    // Not fatal: copies into pageable memory are correct, only slower and synchronous.
+    pin_error = ex.what();
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  if (cuda_ != nullptr) return;
-  auto rt = std::make_unique<CudaRuntime>(runtime_path);
-  cache_.pin(*rt);
+  pin_error_ = pin_error;
   cuda_ = std::move(rt);
+}
+
+std::string Engine::pin_error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pin_error_;
 }
 
 void Engine::pause_copies(bool paused) {

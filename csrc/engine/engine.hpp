@@ -151,6 +151,8 @@ class Engine {
   void release_chunk(std::uint64_t job, std::uint32_t entry, std::uint32_t chunk);
 
   // --- wait; both throw the job's error. timeout_s < 0 waits forever; false on timeout.
+  // wait_captured returns (or throws) only once no copy of the job is in flight, even when the
+  // job failed: from then on its sources and ready events may be freed.
   bool wait_captured(std::uint64_t job, double timeout_s);
   bool wait_done(std::uint64_t job, double timeout_s);
   bool is_captured(std::uint64_t job);
@@ -167,8 +169,13 @@ class Engine {
   std::uint8_t* cache_data() const { return cache_.data(); }
   std::size_t cache_bytes() const { return cache_.size(); }
   std::size_t chunk_bytes() const { return chunk_bytes_; }
-  void enable_cuda(const std::string& runtime_path);  // loads the runtime and pins the cache
+  // Loads the CUDA runtime at `runtime_path` (throws EngineError if it cannot) and pins the cache.
+  // A failure to pin is not an error: copies then go to pageable memory (correct, slower, each
+  // one synchronous); cache_pinned() is false and pin_error() says why. Idempotent.
+  void enable_cuda(const std::string& runtime_path);
   bool cuda_enabled() const { return cuda_ != nullptr; }
+  bool cache_pinned() const { return cache_.pinned(); }
+  std::string pin_error();  // "" when pinned or CUDA is not enabled
 
   // --- test hooks
   void pause_copies(bool paused);
@@ -257,7 +264,9 @@ class Engine {
   const EngineOptions options_;
   const std::size_t chunk_bytes_;
   const std::size_t align_;
+  std::mutex cuda_mu_;                 // serializes enable_cuda()
   std::unique_ptr<CudaRuntime> cuda_;  // declared first: the pinned cache unregisters through it
+  std::string pin_error_;              // why the cache is not pinned (guarded by mu_)
   HostCache cache_;
   RingAllocator ring_;
 

@@ -1,0 +1,539 @@
+"""The engine's CUDA path on CPU, through a stand-in CUDA runtime (tests/cuda_sim/simcudart.cpp).
+
+The engine dlopen()s whatever runtime `enable_cuda(path)` names; here that is a small library,
+compiled by this module, with CUDA's stream and event semantics on host memory (a stream is a queue
+served by its own thread, events complete when the work before them is done, copies run when their
+turn comes) plus knobs: injected failures, latencies, gates that hold a "compute" stream, and
+counters of live streams, events and registrations. "Device memory" is numpy memory with
+device=0 or 1. What this proves and what only a GPU can is written in docs/architecture.md
+("CUDA path"); tests/test_gpu.py checks the same properties on a real device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import _core
+
+SRC = Path(__file__).parent / "cuda_sim" / "simcudart.cpp"
+TIMEOUT_S = 30.0  # every wait is bounded: a regression fails instead of hanging CI
+
+# cudaError_t values the tests inject
+INVALID_VALUE = 1
+OUT_OF_MEMORY = 2
+ILLEGAL_ADDRESS = 700
+
+
+class Sim:
+    """ctypes front of the stand-in runtime; remembers the streams and events the test owns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        lib = ctypes.CDLL(self.path)
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args in {
+            "cudaStreamCreateWithFlags": [ctypes.POINTER(vp), ctypes.c_uint],
+            "cudaStreamDestroy": [vp],
+            "cudaEventCreateWithFlags": [ctypes.POINTER(vp), ctypes.c_uint],
+            "cudaEventDestroy": [vp],
+            "cudaEventRecord": [vp, vp],
+            "simcuda_enqueue_host_write": [vp, vp, vp, sz, ctypes.c_int],
+            "simcuda_enqueue_gate": [vp, ctypes.c_int],
+            "simcuda_open_gate": [ctypes.c_int],
+            "simcuda_fail": [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "simcuda_fail_exec": [ctypes.c_int, ctypes.c_int],
+            "simcuda_set_latency": [ctypes.c_char_p, ctypes.c_int],
+            "simcuda_set_copy_us": [ctypes.c_int],
+            "simcuda_count": [ctypes.c_char_p],
+            "simcuda_quiesce": [ctypes.c_int],
+        }.items():
+            getattr(lib, name).argtypes = args
+        lib.simcuda_count.restype = ctypes.c_ulonglong
+        self.lib = lib
+        self.streams: list[int] = []
+        self.events: list[int] = []
+        self.engines: list[Any] = []  # closed by reset(), so a failed test leaks nothing
+        # Live objects before the test (non-zero only after an earlier test leaked some).
+        self.base = {k: self.count(k) for k in ("streams", "events", "registrations")}
+        self._gates = 0
+
+    # -- the test plays the training ("compute") stream
+    def stream(self) -> int:
+        h = ctypes.c_void_p()
+        assert self.lib.cudaStreamCreateWithFlags(ctypes.byref(h), 1) == 0
+        assert h.value is not None
+        self.streams.append(h.value)
+        return h.value
+
+    def event(self) -> int:
+        h = ctypes.c_void_p()
+        assert self.lib.cudaEventCreateWithFlags(ctypes.byref(h), 2) == 0
+        assert h.value is not None
+        self.events.append(h.value)
+        return h.value
+
+    def record(self, event: int, stream: int) -> None:
+        assert self.lib.cudaEventRecord(event, stream) == 0
+
+    def host_write(self, stream: int, dst: np.ndarray, src: np.ndarray, delay_s: float = 0) -> None:
+        """A kernel on `stream` that writes `src` into `dst` after `delay_s`."""
+        assert dst.nbytes == src.nbytes
+        rc = self.lib.simcuda_enqueue_host_write(stream, dst.ctypes.data, src.ctypes.data,
+                                                 dst.nbytes, int(delay_s * 1e6))
+        assert rc == 0
+
+    def gate(self, stream: int) -> int:
+        """A kernel on `stream` that runs until open_gate(); returns the gate."""
+        self._gates += 1
+        assert self.lib.simcuda_enqueue_gate(stream, self._gates) == 0
+        return self._gates
+
+    def open_gate(self, gate: int) -> None:
+        self.lib.simcuda_open_gate(gate)
+
+    # -- knobs and counters
+    def fail(self, name: str, nth: int = 1, error: int = INVALID_VALUE, times: int = 1) -> None:
+        self.lib.simcuda_fail(name.encode(), nth, error, times)
+
+    def fail_exec(self, nth: int, error: int) -> None:
+        self.lib.simcuda_fail_exec(nth, error)
+
+    def latency(self, name: str, seconds: float) -> None:
+        self.lib.simcuda_set_latency(name.encode(), int(seconds * 1e6))
+
+    def copy_time(self, seconds: float) -> None:
+        self.lib.simcuda_set_copy_us(int(seconds * 1e6))
+
+    def count(self, name: str) -> int:
+        return int(self.lib.simcuda_count(name.encode()))
+
+    def engine_streams(self) -> int:
+        return self.count("streams") - self.base["streams"] - len(self.streams)
+
+    def engine_events(self) -> int:
+        return self.count("events") - self.base["events"] - len(self.events)
+
+    def registrations(self) -> int:
+        return self.count("registrations") - self.base["registrations"]
+
+    def last_error_peek(self) -> int:
+        return int(self.lib.simcuda_last_error_peek())
+
+    def quiesce(self, timeout_s: float = TIMEOUT_S) -> bool:
+        return bool(self.lib.simcuda_quiesce(int(timeout_s * 1000)))
+
+    def wait_count(self, name: str, at_least: int) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.count(name) < at_least:
+            assert time.monotonic() < deadline, f"{name} never reached {at_least}"
+            time.sleep(0.005)
+
+    def reset(self) -> None:
+        self.lib.simcuda_reset()  # opens every gate: nothing the test queued stays blocked
+        for eng in self.engines:
+            close_within(eng)
+        self.engines.clear()
+        for e in self.events:
+            self.lib.cudaEventDestroy(e)
+        for s in self.streams:
+            self.lib.cudaStreamDestroy(s)
+        self.events.clear()
+        self.streams.clear()
+        assert self.quiesce()
+        self.lib.simcuda_reset()
+
+
+@pytest.fixture(scope="session")
+def simcudart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the stand-in CUDA runtime")
+    out = tmp_path_factory.mktemp("simcudart") / "libsimcudart.so"
+    cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-pthread", "-Wl,-z,nodelete",
+           str(SRC), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture
+def sim(simcudart: Path) -> Iterator[Sim]:
+    s = Sim(simcudart)
+    s.reset()
+    yield s
+    s.reset()
+
+
+def make_engine(sim: Sim, cache: int = 1 << 20, chunk: int = 64 << 10, copy_threads: int = 2,
+                flush_threads: int = 2) -> Any:
+    eng = _core.Engine(cache_bytes=cache, chunk_bytes=chunk, copy_threads=copy_threads,
+                       flush_threads=flush_threads, prefault=False, flush_nice=0)
+    sim.engines.append(eng)
+    eng.enable_cuda(sim.path)
+    return eng
+
+
+def close_within(eng: Any, timeout_s: float = TIMEOUT_S) -> None:
+    t = threading.Thread(target=eng.close, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "Engine.close() hung"
+
+
+def assert_released(sim: Sim) -> None:
+    """After close(): every stream, event and registration of the engine is gone, and no copy
+    was left to land in memory that was freed."""
+    assert sim.quiesce()
+    assert sim.engine_streams() == 0
+    assert sim.engine_events() == 0
+    assert sim.registrations() == 0
+    assert sim.count("violations") == 0
+    assert sim.count("inflight_copies") == 0
+
+
+Entry = tuple[str, np.ndarray, int, int]  # name, source, device, ready_event
+
+
+def save(eng: Any, path: Path, entries: list[Entry], label: str = "job") -> tuple[int, list[int]]:
+    """One job writing `entries` back to back into `path`; returns (job, payload offsets)."""
+    job = eng.create_job(label)
+    ids = [eng.add_entry(job, n, a.ctypes.data, a.nbytes, d, ev) for n, a, d, ev in entries]
+    eng.start_copies(job)
+    offsets = list(np.cumsum([0] + [a.nbytes for _n, a, _d, _ev in entries[:-1]]))
+    try:
+        f = eng.open_file(job, str(path))
+        for i, off in enumerate(offsets):
+            eng.place(job, ids[i], f, int(off), b"", b"")
+        eng.seal(job)
+    except _core.EngineError:
+        pass  # the job failed already: the test's waits raise its error
+    return job, [int(o) for o in offsets]
+
+
+def assert_file(path: Path, offsets: list[int], expected: list[np.ndarray]) -> None:
+    raw = path.read_bytes()
+    for off, a in zip(offsets, expected, strict=True):
+        assert raw[off : off + a.nbytes] == a.tobytes()
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_copy_is_ordered_after_the_event_recorded_at_the_save_call(
+    sim: Sim, tmp_path: Path
+) -> None:
+    n = 1 << 20
+    dev = np.zeros(n, np.uint8)  # the "device tensor"
+    produced, later = pattern(n, 1), pattern(n, 2)
+    compute = sim.stream()
+    gate = sim.gate(compute)  # the forward/backward still running at the save call
+    sim.host_write(compute, dev, produced, delay_s=0.02)  # the kernel that produces the tensor
+    ready = sim.event()
+    sim.record(ready, compute)  # the save call
+    eng = make_engine(sim, cache=4 << 20, chunk=64 << 10, copy_threads=3)
+
+    # Control: without the event the copy does not wait and sees the stale bytes.
+    ctl, ctl_off = save(eng, tmp_path / "ctl.bin", [("w", dev, 0, 0)], "control")
+    assert eng.wait_done(ctl, TIMEOUT_S)
+    assert_file(tmp_path / "ctl.bin", ctl_off, [np.zeros(n, np.uint8)])
+
+    job = eng.create_job("ordered")
+    e = eng.add_entry(job, "w", dev.ctypes.data, n, 0, ready)
+    eng.start_copies(job)
+    assert not eng.wait_captured(job, 0.2)  # every chunk waits for the compute stream
+    assert not eng.is_captured(job)
+    sim.open_gate(gate)
+    assert eng.wait_captured(job, TIMEOUT_S)
+    # The optimizer step runs after the barrier: its write must not reach the checkpoint.
+    sim.host_write(compute, dev, later)
+    assert sim.quiesce()
+    assert np.array_equal(dev, later)
+    f = eng.open_file(job, str(tmp_path / "c.bin"))
+    eng.place(job, e, f, 0, b"", b"")
+    eng.seal(job)
+    assert eng.wait_done(job, TIMEOUT_S)
+    assert_file(tmp_path / "c.bin", [0], [produced])
+    assert sim.count("pageable_copies") == 0  # the pinned cache took every copy
+    eng.forget(ctl)
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_jobs_in_flight_on_two_devices_through_a_small_cache(
+    sim: Sim, tmp_path: Path, copy_threads: int
+) -> None:
+    """Several jobs, each with its own producing stream, entries larger than the cache (chunked,
+    with backpressure) on two devices, several copy threads: every byte lands where placed."""
+    sim.latency("cudaMemcpyAsync", 0.0005)
+    eng = make_engine(sim, cache=256 << 10, chunk=32 << 10, copy_threads=copy_threads)
+    jobs = []
+    for j in range(3):
+        compute = sim.stream()
+        ready = sim.event()
+        dev0, dev1 = np.zeros(600_000, np.uint8), np.zeros(300_001, np.uint8)
+        want0, want1 = pattern(dev0.nbytes, 10 + j), pattern(dev1.nbytes, 20 + j)
+        sim.host_write(compute, dev0, want0, delay_s=0.01)
+        sim.host_write(compute, dev1, want1)
+        sim.record(ready, compute)
+        path = tmp_path / f"j{j}.bin"
+        job, offs = save(eng, path, [("a", dev0, 0, ready), ("b", dev1, 1, ready)], f"j{j}")
+        jobs.append((job, path, offs, [want0, want1], (dev0, dev1)))
+    for job, path, offs, want, _keep in jobs:
+        assert eng.wait_done(job, TIMEOUT_S)
+        assert_file(path, offs, want)
+        assert eng.stats(job)["bytes_written"] == sum(a.nbytes for a in want)
+        eng.forget(job)
+    # One stream and one event per copy thread and device, reused across jobs.
+    assert 2 <= sim.engine_streams() <= 2 * copy_threads
+    assert sim.engine_events() == sim.engine_streams()
+    assert eng.counters()["cache_used_bytes"] == 0
+    close_within(eng)
+    assert_released(sim)
+
+
+def test_wait_captured_waits_for_exactly_its_own_copies(sim: Sim, tmp_path: Path) -> None:
+    eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=2)
+    compute = sim.stream()
+    gate = sim.gate(compute)
+    ready = sim.event()
+    sim.record(ready, compute)
+    a1, a2, b = pattern(100_000, 1), pattern(50_000, 2), pattern(200_000, 3)
+    ja = eng.create_job("a")
+    eng.add_entry(ja, "a1", a1.ctypes.data, a1.nbytes, 0, 0)
+    eng.add_entry(ja, "a2", a2.ctypes.data, a2.nbytes, 0, ready)  # one chunk, held by the gate
+    eng.start_copies(ja)
+    jb = eng.create_job("b")  # queued after a, independent of the compute stream
+    eng.add_entry(jb, "b", b.ctypes.data, b.nbytes, 0, 0)
+    eng.add_entry(jb, "b_host", b.ctypes.data, b.nbytes, -1, 0)
+    eng.start_copies(jb)
+    assert eng.wait_captured(jb, TIMEOUT_S)  # does not wait for a's held copy
+    assert not eng.wait_captured(ja, 0.2)  # a1 landed, a2 has not
+    assert not eng.is_captured(ja)
+    sim.open_gate(gate)
+    assert eng.wait_captured(ja, TIMEOUT_S)
+    for j in (ja, jb):
+        eng.seal(j)
+        assert eng.wait_done(j, TIMEOUT_S)
+        eng.forget(j)
+    close_within(eng)
+    assert_released(sim)
+
+
+def test_cache_is_pinned_once_and_unpinned_at_close(sim: Sim) -> None:
+    registers = sim.count("calls:cudaHostRegister")
+    eng = make_engine(sim)
+    eng.enable_cuda(sim.path)  # idempotent
+    assert eng.cuda_enabled and eng.cache_pinned and eng.pin_error == ""
+    assert sim.registrations() == 1
+    assert sim.count("calls:cudaHostRegister") == registers + 1
+    close_within(eng)
+    assert_released(sim)
+
+
+def test_pinning_failure_falls_back_to_pageable_copies(sim: Sim, tmp_path: Path) -> None:
+    """Documented choice: a cache that cannot be page-locked is used pageable (correct, slower);
+    the reason is kept, and the caller's thread is left without a CUDA error for torch to trip
+    on."""
+    sim.fail("cudaHostRegister", error=OUT_OF_MEMORY, times=-1)
+    eng = _core.Engine(cache_bytes=256 << 10, chunk_bytes=32 << 10, prefault=False)
+    sim.engines.append(eng)
+    eng.enable_cuda(sim.path)
+    assert eng.cuda_enabled and not eng.cache_pinned
+    assert "cudaHostRegister" in eng.pin_error and "out of memory" in eng.pin_error
+    assert sim.last_error_peek() == 0  # cleared on this (the "training") thread
+    assert sim.registrations() == 0
+    compute = sim.stream()
+    ready = sim.event()
+    dev, want = np.zeros(500_000, np.uint8), pattern(500_000, 4)
+    sim.host_write(compute, dev, want, delay_s=0.01)
+    sim.record(ready, compute)
+    job, offs = save(eng, tmp_path / "c.bin", [("w", dev, 0, ready)])
+    assert eng.wait_done(job, TIMEOUT_S)
+    assert_file(tmp_path / "c.bin", offs, [want])
+    assert sim.count("pageable_copies") == sim.count("copies") > 0
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_writer_warns_and_works_when_the_cache_cannot_be_pinned(
+    sim: Sim, tmp_path: Path, writer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_datastates import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "loaded_cuda_runtime", lambda: sim.path)
+    sim.fail("cudaHostRegister", error=OUT_OF_MEMORY, times=-1)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("dcp_datastates.engine")
+    log.addHandler(handler)
+    try:
+        w = writer_factory(host_cache_size="1MiB", chunk_size="64KiB", pin_memory=True)
+    finally:
+        log.removeHandler(handler)
+    assert any("could not be pinned" in r.getMessage() and "out of memory" in r.getMessage()
+               for r in records)
+    sd = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}
+    dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    out = {"w": torch.zeros(100_000), "step": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 3
+    w.close()
+    assert_released(sim)
+
+
+def test_missing_runtime_is_a_clear_error(tmp_path: Path) -> None:
+    eng = _core.Engine(cache_bytes=1 << 20, prefault=False)
+    with pytest.raises(_core.EngineError, match="cannot load the CUDA runtime .*nope.so"):
+        eng.enable_cuda(str(tmp_path / "nope.so"))
+    assert not eng.cuda_enabled
+    eng.close()
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "nth"),
+    [
+        ("cudaMemcpyAsync", 3),
+        ("cudaEventRecord", 3),
+        ("cudaEventSynchronize", 3),
+        ("cudaStreamWaitEvent", 3),
+        ("cudaStreamCreateWithFlags", 1),
+        ("cudaEventCreateWithFlags", 1),
+        ("cudaSetDevice", 1),
+    ],
+)
+def test_failing_call_fails_the_job_and_the_engine_goes_on(
+    sim: Sim, tmp_path: Path, entry_point: str, nth: int
+) -> None:
+    name = "model.layers.3.weight"
+    compute = sim.stream()
+    ready = sim.event()
+    # One copy thread: no other copy of the job delays its completion past the failed one's.
+    eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=1)
+    dev, want = np.zeros(512 << 10, np.uint8), pattern(512 << 10, 5)
+    sim.host_write(compute, dev, want, delay_s=0.01)
+    sim.record(ready, compute)
+    sim.copy_time(0.05)  # copies are still in flight when the failing call returns
+    sim.fail(entry_point, nth)
+    job, _ = save(eng, tmp_path / "bad.bin", [(name, dev, 0, ready)])
+    with pytest.raises(_core.EngineError, match=rf"'{name}'.*{entry_point}"):
+        eng.wait_captured(job, TIMEOUT_S)
+    with pytest.raises(_core.EngineError, match=rf"'{name}'.*{entry_point}"):
+        eng.wait_done(job, TIMEOUT_S)
+    # Nothing of the failed job is still landing in cache space that is free again.
+    assert sim.count("inflight_copies") == 0
+    st = eng.stats(job)
+    assert st["failed"] and name in st["error"]
+    assert eng.counters()["cache_used_bytes"] == 0
+    eng.forget(job)
+
+    sim.copy_time(0)
+    again = pattern(dev.nbytes, 6)
+    sim.host_write(compute, dev, again)
+    sim.record(ready, compute)
+    job, offs = save(eng, tmp_path / "good.bin", [(name, dev, 0, ready)])
+    assert eng.wait_done(job, TIMEOUT_S)
+    assert_file(tmp_path / "good.bin", offs, [again])
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
+    assert sim.count("bad_handles") == 0
+
+
+def test_device_fault_fails_cuda_jobs_and_host_jobs_go_on(sim: Sim, tmp_path: Path) -> None:
+    """A fault during a copy is sticky on a real device: the job fails naming the tensor (the
+    half-copied chunk is never written as complete), later CUDA jobs fail fast instead of
+    hanging, host jobs still work, and close() releases everything."""
+    eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=2)
+    dev = pattern(512 << 10, 7)
+    sim.fail_exec(3, ILLEGAL_ADDRESS)
+    job, _ = save(eng, tmp_path / "a.bin", [("faulty", dev, 0, 0)])
+    with pytest.raises(_core.EngineError, match="'faulty'.*illegal memory access"):
+        eng.wait_done(job, TIMEOUT_S)
+    assert sum(r[5] for r in eng.chunk_records(job)) < dev.nbytes  # never complete
+    eng.forget(job)
+    job, _ = save(eng, tmp_path / "b.bin", [("next", dev, 1, 0)])
+    with pytest.raises(_core.EngineError, match="'next'.*illegal memory access"):
+        eng.wait_done(job, TIMEOUT_S)
+    eng.forget(job)
+    host = pattern(300_000, 8)
+    job, offs = save(eng, tmp_path / "c.bin", [("host", host, -1, 0)])
+    assert eng.wait_done(job, TIMEOUT_S)
+    assert_file(tmp_path / "c.bin", offs, [host])
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
+
+
+def test_close_with_copies_in_flight(sim: Sim) -> None:
+    """close() waits for the copies already issued (they write into the cache it frees), drops
+    those not issued, and leaves no stream, event or registration behind."""
+    eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=2)
+    compute = sim.stream()
+    gate = sim.gate(compute)
+    ready = sim.event()
+    sim.record(ready, compute)
+    dev = pattern(1 << 20, 9)  # 16 chunks
+    syncs = sim.count("calls:cudaEventSynchronize")
+    job = eng.create_job("in flight")
+    eng.add_entry(job, "w", dev.ctypes.data, dev.nbytes, 0, ready)
+    eng.start_copies(job)
+    sim.wait_count("calls:cudaEventSynchronize", syncs + 2)  # both copy threads issued a copy
+    closer = threading.Thread(target=eng.close, daemon=True)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # the issued copies still target the cache
+    assert sim.registrations() == 1
+    sim.open_gate(gate)
+    closer.join(TIMEOUT_S)
+    assert not closer.is_alive(), "Engine.close() hung"
+    assert sim.count("copies") == 2  # the 14 chunks not yet issued were dropped
+    assert_released(sim)
+
+
+def test_failed_job_counts_as_captured_only_after_its_copies_in_flight(sim: Sim) -> None:
+    """After wait_captured returns, even with an error, the caller frees the sources and the
+    ready events: the engine must be done with them by then."""
+    eng = make_engine(sim, copy_threads=1)
+    compute = sim.stream()
+    gate = sim.gate(compute)
+    ready = sim.event()
+    sim.record(ready, compute)
+    dev = pattern(4096, 10)
+    syncs = sim.count("calls:cudaEventSynchronize")
+    job = eng.create_job("aborted")
+    eng.add_entry(job, "w", dev.ctypes.data, dev.nbytes, 0, ready)
+    eng.start_copies(job)
+    sim.wait_count("calls:cudaEventSynchronize", syncs + 1)  # issued, waiting for compute
+    eng.abort(job, "stopped by the test")
+    assert not eng.is_captured(job)
+    assert not eng.wait_captured(job, 0.2)
+    sim.open_gate(gate)
+    with pytest.raises(_core.EngineError, match="stopped by the test"):
+        eng.wait_captured(job, TIMEOUT_S)
+    assert sim.count("inflight_copies") == 0
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
