@@ -51,12 +51,13 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
 
 from .commit import INCOMPLETE_MARKER, MANIFEST_PREFIX, METADATA_FILE, CheckpointDir
 from .errors import IntegrityError
-from .layout import ArchiveTemplate, build_template
+from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
 
 _READ_BLOCK = 16 * 1024 * 1024
 _MANIFEST_RE = re.compile(r"^__datastates_manifest_(\d+)\.json$")
 _MAX_METADATA_BYTES = 1 << 31
+_TEMPLATES = TemplateCache()  # the archive layout of (dtype, shape) with the installed torch
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1
@@ -202,6 +203,13 @@ def _key_of(fqn: str, offset: Any) -> Key:
     return (fqn, tuple(int(o) for o in offset) if offset is not None else None)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 def _dtype_of(name: str) -> torch.dtype | None:
     obj = getattr(torch, name, None) if name.isidentifier() else None
     return obj if isinstance(obj, torch.dtype) else None
@@ -220,7 +228,6 @@ class _Verifier:
         self.rep = rep
         self.files: dict[str, BinaryIO | None] = {}
         self.sizes: dict[str, int | None] = {}
-        self.templates: dict[tuple[torch.dtype, tuple[int, ...]], ArchiveTemplate] = {}
 
     def close(self) -> None:
         for f in self.files.values():
@@ -444,6 +451,7 @@ class _Verifier:
             return
         if getattr(props, "layout", torch.strided) != torch.strided:
             self.problem(f"'{fqn}': {METADATA_FILE} describes a {props.layout} tensor")
+        covered = 0
         for ch in smd.chunks:
             offs, sizes = tuple(ch.offsets), tuple(ch.sizes)
             key: Key = (fqn, offs)
@@ -453,6 +461,7 @@ class _Verifier:
                 o < 0 or s < 0 or o + s > g for o, s, g in zip(offs, sizes, size, strict=True)
             ):
                 self.problem(f"{where}: chunk {list(sizes)} lies outside the tensor {list(size)}")
+            covered += _numel(sizes)
             hit = by_key.get(key)
             if hit is None:
                 continue  # reported by the storage_data checks
@@ -462,6 +471,12 @@ class _Verifier:
                     f"{where} (rank {man.rank}, {it.file}): {METADATA_FILE} says "
                     f"{_dtype_name(dtype)}{list(sizes)}, the manifest {it.dtype}{it.shape}"
                 )
+        if covered != _numel(tuple(size)):
+            # DCP saves cover every tensor exactly (chunks of all ranks, empty shards included)
+            self.problem(
+                f"'{fqn}': {METADATA_FILE} says the tensor is {list(size)} ({_numel(tuple(size))} "
+                f"elements) but its chunks hold {covered}"
+            )
 
     # --------------------------------------------------------------------------------------------
     def _open(self, name: str) -> tuple[BinaryIO | None, int | None]:
@@ -563,10 +578,7 @@ class _Verifier:
                 f"{it.payload_bytes} payload bytes"
             )
             return False
-        key = (dtype, tuple(it.shape))
-        tmpl = self.templates.get(key)
-        if tmpl is None:
-            tmpl = self.templates[key] = build_template(dtype, key[1])
+        tmpl = _TEMPLATES.get(dtype, tuple(it.shape))
         if (
             it.archive_length != tmpl.total_bytes
             or it.payload_offset != it.archive_offset + len(tmpl.prefix)
