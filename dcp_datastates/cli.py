@@ -46,8 +46,6 @@ def _cleanup(root: str, min_age: float, exclude: list[str]) -> int:
         return EXIT_ERROR
     for p in removed:
         print(f"removed {p}")
-    if not removed:
-        print(f"{root}: no partial checkpoint to remove")
     return EXIT_OK
 
 

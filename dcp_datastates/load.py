@@ -1,4 +1,4 @@
-"""Loading with verification: the checkpoint is verified first, then read by the stock DCP reader."""
+"""Loading with verification: the checkpoint is verified, then read by the stock DCP reader."""
 
 from __future__ import annotations
 

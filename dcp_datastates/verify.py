@@ -259,7 +259,7 @@ class _Verifier:
             else:
                 rep.error = "not a checkpoint: no .metadata and no manifest in it"
             return
-        md = self._read_metadata(METADATA_FILE in names)
+        md = self._read_metadata(METADATA_FILE in names, INCOMPLETE_MARKER in names)
         try:
             storage = self._storage(md)
         except Exception as e:  # damage of a kind the type checks did not foresee
@@ -287,9 +287,13 @@ class _Verifier:
                 out.append(f"{base}/{sub.rsplit('/', 1)[-1]}")
         return sorted(out)
 
-    def _read_metadata(self, present: bool) -> Any:
+    def _read_metadata(self, present: bool, marker: bool) -> Any:
         if not present:
-            self.problem(f"{METADATA_FILE} is missing: the checkpoint was never committed")
+            why = f" ({INCOMPLETE_MARKER} is present: a save is in progress or died)"
+            self.problem(
+                f"{METADATA_FILE} is missing: the checkpoint was never committed"
+                + (why if marker else "")
+            )
             return None
         p = self.d.join(METADATA_FILE)
         size = self.d.fs.size(p)
