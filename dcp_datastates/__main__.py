@@ -1,3 +1,5 @@
+"""``python -m dcp_datastates``: see :mod:`dcp_datastates.cli`."""
+
 import sys
 
 from .cli import main

@@ -33,20 +33,34 @@ Deleting a complete checkpoint is crash-safe: the marker is created first, then
 marker goes last. A crash midway therefore leaves a *partial* directory, which
 :func:`cleanup_incomplete` removes later, never one that looks complete but lacks files.
 
-This module depends only on the standard library (it does not import torch or the rest
-of the package), so job launchers and cron jobs can use it cheaply.
+Concurrency: a save holds an exclusive ``flock`` on its directory's marker from its claim
+to its commit (``dcp_datastates.commit``). Cleanup and prune take the same lock before
+deleting anything and skip a directory whose lock is held, so they never delete a save in
+flight in any process, even one not listed in ``exclude``; the kernel drops the lock of a
+writer that died, so its partial directory becomes removable at once. Several processes
+may run cleanup/prune on one root at the same time: files and directories vanishing
+underneath are expected and skipped.
+
+Roots are local paths or ``file://`` URLs. This module uses only the standard library and
+the lock helpers of :mod:`dcp_datastates.commit` (no torch), so job launchers and cron
+jobs can use it cheaply.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import re
 import shutil
 import tempfile
+import time
+import urllib.parse
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .commit import lock_marker, unlock_marker
 
 __all__ = [
     "INCOMPLETE_MARKER",
@@ -58,6 +72,7 @@ __all__ = [
     "cleanup_incomplete",
     "latest_complete",
     "list_checkpoints",
+    "local_root",
     "parse_step",
     "prune",
     "update_latest",
@@ -175,6 +190,24 @@ def parse_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def local_root(root: PathLike) -> Path:
+    """``root`` as a local path: a path, or a ``file://`` URL.
+
+    Raises:
+        ValueError: ``root`` is a URL of another file system (object stores are not managed
+            here: list and delete checkpoints there with the store's own tools).
+    """
+    text = os.fspath(root)
+    if "://" not in text:
+        return Path(text)
+    url = urllib.parse.urlsplit(text)
+    if url.scheme in ("file", "local") and url.netloc in ("", "localhost"):
+        return Path(urllib.parse.unquote(url.path))
+    raise ValueError(
+        f"{text}: only local paths and file:// URLs are supported by dcp_datastates.checkpoints"
+    )
+
+
 def _state_of(path: Path) -> CheckpointState:
     if (path / METADATA_FILE).is_file():
         return CheckpointState.COMPLETE
@@ -209,7 +242,7 @@ def list_checkpoints(root: PathLike) -> list[CheckpointInfo]:
     Raises:
         NotADirectoryError: ``root`` exists but is not a directory.
     """
-    root_path = Path(root)
+    root_path = local_root(root)
     if not _check_root(root_path):
         return []
     infos: list[CheckpointInfo] = []
@@ -262,7 +295,7 @@ def latest_complete(root: PathLike) -> Path | None:
     Raises:
         NotADirectoryError: ``root`` exists but is not a directory.
     """
-    root_path = Path(root)
+    root_path = local_root(root)
     if not _check_root(root_path):
         return None
     name = _read_latest(root_path)
@@ -301,7 +334,7 @@ def update_latest(root: PathLike, name: str) -> Path:
             does not name a complete checkpoint.
         FileNotFoundError / NotADirectoryError: ``root`` is missing or not a directory.
     """
-    root_path = Path(root)
+    root_path = local_root(root)
     name_str = os.fspath(name)
     if not _valid_name(name_str):
         as_path = Path(name_str)
@@ -346,50 +379,115 @@ def _excluded_paths(root: Path, exclude: Iterable[PathLike]) -> set[Path]:
     return out
 
 
-def _remove_checkpoint_dir(path: Path) -> None:
+def _unlink_quiet(path: str | Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _rmdir_quiet(path: Path) -> bool:
+    """rmdir; False if it is gone already or no longer empty (someone writes into it again)."""
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    return True
+
+
+def _remove_checkpoint_dir(path: Path, expect: CheckpointState) -> bool:
     """Delete a checkpoint directory so that a crash midway leaves it *partial*.
 
-    Order: create the marker, remove ``.metadata`` and make that durable, remove every
-    other entry, remove the marker, remove the directory.
+    Takes the directory's lock first (the marker's ``flock``, as a save does) and gives up,
+    returning False, if a live process holds it, if the directory vanished, or if it is no
+    longer in state ``expect`` (a save committed or started meanwhile). Under the lock: remove
+    ``.metadata`` and make that durable, remove every other entry, remove the marker, remove
+    the directory. Entries vanishing meanwhile (a concurrent cleanup) are skipped.
     """
-    marker = path / INCOMPLETE_MARKER
-    metadata = path / METADATA_FILE
-    if metadata.exists():
-        marker.touch(exist_ok=True)
-        metadata.unlink()
-        _fsync_dir(path)
+    if _state_of(path) is not expect:
+        return False
+    if expect is CheckpointState.PARTIAL and not (path / INCOMPLETE_MARKER).exists():
+        # Killed before its marker existed: only an empty directory (or the legacy marker temp
+        # file) is removed; rmdir fails harmlessly if a save starts writing into it meanwhile.
+        _unlink_quiet(path / f"{INCOMPLETE_MARKER}.tmp")
+        return _rmdir_quiet(path)
+    try:
+        fd = lock_marker(
+            str(path), create=expect is CheckpointState.COMPLETE, purpose="a checkpoint deletion"
+        )
+    except FileNotFoundError:
+        return False  # removed meanwhile (another cleanup or prune, or a commit removed it)
+    if fd is None:
+        return False  # a live writer (or another deletion) holds it
+    try:
+        if _state_of(path) is not expect:
+            return False
+        metadata = path / METADATA_FILE
+        if metadata.exists():
+            metadata.unlink()
+            _fsync_dir(path)
+        with os.scandir(path) as it:
+            entries = [e for e in it if e.name != INCOMPLETE_MARKER]
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+        _unlink_quiet(path / INCOMPLETE_MARKER)
+    finally:
+        unlock_marker(fd)
+    return _rmdir_quiet(path)
+
+
+def _age_s(path: Path, now: float) -> float:
+    """Seconds since anything in ``path`` (the directory or a direct entry) last changed."""
+    newest = path.stat().st_mtime
     with os.scandir(path) as it:
-        entries = [e for e in it if e.name != INCOMPLETE_MARKER]
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-        else:
-            os.unlink(entry.path)
-    marker.unlink(missing_ok=True)
-    path.rmdir()
+        for e in it:
+            try:
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+            except FileNotFoundError:
+                continue
+    return now - newest
 
 
-def cleanup_incomplete(root: PathLike, *, exclude: Collection[PathLike] = ()) -> list[Path]:
+def cleanup_incomplete(
+    root: PathLike, *, exclude: Collection[PathLike] = (), min_age: float = 0.0
+) -> list[Path]:
     """Remove partial checkpoints (marker present, no ``.metadata``) under ``root``.
 
-    Never removes a complete or unknown directory, nor one listed in ``exclude`` (pass
-    the ``checkpoint_id`` of every save that may still be in flight). A root that does
-    not exist has nothing to clean.
+    Never removes a complete or unknown directory, one whose save is still in flight (its
+    marker is locked by a live process, in any process on this host), one listed in
+    ``exclude`` (names under ``root`` or paths), nor one in which anything changed less than
+    ``min_age`` seconds ago. Safe to run from several processes at once. A root that does
+    not exist has nothing to clean (the command line reports it as an error).
 
     Returns:
         The removed directories, sorted by step.
     """
-    root_path = Path(root)
+    if min_age < 0:
+        raise ValueError(f"min_age must be >= 0, got {min_age}")
+    root_path = local_root(root)
     excluded = _excluded_paths(root_path, exclude)
     removed: list[Path] = []
+    now = time.time()
     for info in list_checkpoints(root_path):
         if not info.partial or info.path.resolve() in excluded:
             continue
-        # re-check right before deleting: the save may have committed meanwhile
-        if _state_of(info.path) is not CheckpointState.PARTIAL:
+        try:
+            if min_age > 0 and _age_s(info.path, now) < min_age:
+                continue
+        except FileNotFoundError:
             continue
-        _remove_checkpoint_dir(info.path)
-        removed.append(info.path)
+        if _remove_checkpoint_dir(info.path, CheckpointState.PARTIAL):
+            removed.append(info.path)
     return removed
 
 
@@ -408,7 +506,7 @@ def prune(
     """
     if not isinstance(policy, RetentionPolicy):
         raise TypeError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
-    root_path = Path(root)
+    root_path = local_root(root)
     if policy.keeps_everything:
         _check_root(root_path)
         return []
@@ -427,6 +525,6 @@ def prune(
     for info in complete:
         if info.step in kept_steps or info.path.resolve() == protected:
             continue
-        _remove_checkpoint_dir(info.path)
-        removed.append(info.path)
+        if _remove_checkpoint_dir(info.path, CheckpointState.COMPLETE):
+            removed.append(info.path)
     return removed

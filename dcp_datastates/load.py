@@ -1,13 +1,16 @@
-"""Loading with verification: checksums first, then the stock DCP reader."""
+"""Loading with verification: the checkpoint is verified, then read by the stock DCP reader."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
 from .verify import verify_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 def load(
@@ -19,13 +22,18 @@ def load(
 ) -> None:
     """Loads ``checkpoint_id`` into ``state_dict`` in place with the stock ``dcp.load``.
 
-    With ``verify=True`` every chunk is first checked against the checksums in the manifests;
-    a mismatch, truncation or missing file raises IntegrityError naming the tensor, rank and file,
-    and nothing is loaded. Other keyword arguments go to ``dcp.load`` (``process_group``,
-    ``planner``, ``no_dist``...). Verification reads the whole checkpoint once more; with
-    several ranks each rank verifies everything, so prefer verifying once, offline, at scale.
+    With ``verify=True`` the checkpoint is first checked as ``verify_checkpoint`` does (every
+    chunk against its checksum, every archive header and trailer, ``.metadata`` against the
+    manifests); damage, truncation, a missing file or a path that is not a checkpoint raises
+    IntegrityError naming the tensor, rank and file, and nothing is loaded. Payloads saved with
+    ``checksums=False`` cannot be verified: they are loaded with a warning logged. Other keyword
+    arguments go to ``dcp.load`` (``process_group``, ``planner``, ``no_dist``...). Verification
+    reads the whole checkpoint once more; with several ranks each rank verifies everything, so
+    prefer verifying once, offline, at scale.
     """
     path = os.fspath(checkpoint_id)
     if verify:
-        verify_checkpoint(path, raise_on_error=True)
+        rep = verify_checkpoint(path, raise_on_error=True)
+        for what in rep.unverified:
+            logger.warning("%s: not verified: %s", path, what)
     dcp.load(state_dict, checkpoint_id=path, **kwargs)

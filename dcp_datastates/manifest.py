@@ -43,15 +43,66 @@ class RankManifest:
 
     @classmethod
     def from_json(cls, text: str) -> RankManifest:
-        raw: dict[str, Any] = json.loads(text)
+        """Parses and type-checks a manifest; raises ValueError naming what is malformed."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
         if raw.get("version") != MANIFEST_VERSION:
             raise ValueError(f"unsupported manifest version {raw.get('version')!r}")
-        items = [
-            ItemRecord(**{**it, "chunks": [tuple(c) for c in it["chunks"]]}) for it in raw["items"]
-        ]
-        return cls(
-            rank=int(raw["rank"]),
-            checksums=bool(raw["checksums"]),
-            save_id=str(raw["save_id"]),
-            items=items,
-        )
+        rank = _field(raw, "rank", int)
+        checksums = _field(raw, "checksums", bool)
+        save_id = _field(raw, "save_id", str)
+        items_raw = _field(raw, "items", list)
+        items = [_item(it, i) for i, it in enumerate(items_raw)]
+        return cls(rank=rank, checksums=checksums, save_id=save_id, items=items)
+
+
+def _field(raw: dict[str, Any], name: str, typ: type, where: str = "") -> Any:
+    if name not in raw:
+        raise ValueError(f"{where}field '{name}' is missing")
+    value = raw[name]
+    ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"{where}field '{name}' is not a {typ.__name__}: {value!r:.80}")
+    return value
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ValueError(f"{what} is not a list of non-negative ints: {value!r:.80}")
+    return list(value)
+
+
+def _item(it: Any, i: int) -> ItemRecord:
+    where = f"item {i}: "
+    if not isinstance(it, dict):
+        raise ValueError(f"{where}not a JSON object")
+    fqn = _field(it, "fqn", str, where)
+    where = f"item {i} ('{fqn}'): "
+    offset = it.get("offset")
+    chunks_raw = _field(it, "chunks", list, where)
+    chunks: list[tuple[int, int, int]] = []
+    for c in chunks_raw:
+        vals = _ints(c, f"{where}a chunk")
+        if len(vals) != 3:
+            raise ValueError(f"{where}a chunk is not [offset, bytes, crc]: {c!r:.80}")
+        chunks.append((vals[0], vals[1], vals[2]))
+    ints = {}
+    for name in ("archive_offset", "archive_length", "payload_offset", "payload_bytes"):
+        ints[name] = _field(it, name, int, where)
+        if ints[name] < 0:
+            raise ValueError(f"{where}field '{name}' is negative")
+    return ItemRecord(
+        fqn=fqn,
+        offset=None if offset is None else _ints(offset, f"{where}'offset'"),
+        file=_field(it, "file", str, where),
+        dtype=_field(it, "dtype", str, where),
+        shape=_ints(_field(it, "shape", list, where), f"{where}'shape'"),
+        chunks=chunks,
+        **ints,
+    )

@@ -66,7 +66,7 @@ from torch.futures import Future
 
 from . import _core, barrier
 from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
-from .commit import CheckpointDir, claim_path, manifest_name, release_path
+from .commit import CheckpointDir, claim_and_prepare, manifest_name, release_path
 from .config import CaptureMode, WriterConfig, parse_size
 from .engine import Engine, engine_time_to_perf
 from .errors import CheckpointSaveError
@@ -533,15 +533,9 @@ class DataStatesWriter(StorageWriter):
         ctx.finished = True
 
     def _claim_and_prepare(self, ctx: _Context) -> None:
-        d = CheckpointDir(ctx.path)
-        key = d.url if not d.local else os.path.realpath(d.path)
-        claim_path(key)
-        ctx.path_key = key
-        try:
-            d.prepare(self.config.durable)
-        except BaseException:
-            self._release_claim(ctx)
-            raise
+        # In-process and cross-process (marker flock) claim, then the overwritten checkpoint's
+        # files go; on failure the claim is released inside (commit.claim_and_prepare).
+        ctx.path_key = claim_and_prepare(CheckpointDir(ctx.path), self.config.durable)
 
     def _release_claim(self, ctx: _Context) -> None:
         if ctx.path_key is not None:

@@ -33,11 +33,12 @@ void set_write_fault(const std::string& needle, int err) {
 }
 
 PosixFile::PosixFile(std::string path, bool o_direct) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // O_NOFOLLOW: a symlink planted under a data file's name is refused (ELOOP), never followed.
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd_ < 0) DCPDS_CHECK(false, errno_message("cannot create " + path_, errno));
 #ifdef O_DIRECT
   if (o_direct) {
-    fd_direct_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    fd_direct_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
     // tmpfs and some network file systems refuse O_DIRECT: fall back to buffered writes.
   }
 #else
