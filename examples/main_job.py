@@ -176,6 +176,7 @@ def summarize(
         f"{steps} steps: ({with_ckpt:.1f} s - {without:.1f} s) / {n}"
     )
     lines.append("  a plain dcp.save blocks training until it is durable: its duration is its cost")
+    lines.append("  one measurement each: other processes on the machine move these figures")
     if resumed.get("resumed_from"):
         lines.append(
             f"resume: stock dcp.load of {resumed['resumed_from']} in "
@@ -248,6 +249,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"plain dcp.save calls timed by the reference run (default {FULL.fs_saves})",
     )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    ap.add_argument(
+        "--reports-dir",
+        default=None,
+        help="keep the runs' JSON reports (train_gpt.py --report) here instead of a temp dir",
+    )
     return ap.parse_args(argv)
 
 
@@ -274,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_root(root)
         with tempfile.TemporaryDirectory(prefix="main-job-") as tmp:
-            reports = Path(tmp)
+            reports = Path(args.reports_dir or tmp)
+            reports.mkdir(parents=True, exist_ok=True)
             print(
                 f"== 1/3 reference: {plan.steps} steps without checkpoints, then "
                 f"{plan.fs_saves} plain dcp.save of the state",

@@ -187,7 +187,10 @@ def test_main_job_quick_without_numpy(tmp_path: Path) -> None:
     root.mkdir()
     (root / "step-3").mkdir()  # left over from an earlier job: the job starts afresh
     proc = subprocess.run(
-        [sys.executable, str(MAIN_JOB), "--quick", "--ckpt-dir", str(root), "--timeout", "120"],
+        [
+            *(sys.executable, str(MAIN_JOB), "--quick", "--ckpt-dir", str(root)),
+            *("--timeout", "120", "--reports-dir", str(tmp_path / "reports")),
+        ],
         cwd=tmp_path,
         env=_env(tmp_path / "no-numpy"),
         capture_output=True,
@@ -210,6 +213,8 @@ def test_main_job_quick_without_numpy(tmp_path: Path) -> None:
     assert len(finals) == 2 and finals[0] == finals[1]  # reference and resumed
     assert ck.latest_complete(root) == root / "step-12"
     assert not (root / "reference").exists()
+    reports = {p.name for p in (tmp_path / "reports").iterdir()}
+    assert reports == {"reference.json", "crashed.json", "resumed.json"}
 
 
 def test_main_job_refuses_to_empty_a_foreign_directory(tmp_path: Path) -> None:
