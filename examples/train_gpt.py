@@ -48,16 +48,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.storage import StorageWriter
+# The example needs no numpy (setup_env.sh does not install it): silence torch's import-time
+# warning about its absence.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from dcp_datastates.checkpoints import (
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # noqa: E402
+from torch.distributed.checkpoint.storage import StorageWriter  # noqa: E402
+
+from dcp_datastates.checkpoints import (  # noqa: E402
     RetentionPolicy,
     cleanup_incomplete,
     latest_complete,
