@@ -1,22 +1,25 @@
 #!/usr/bin/env python
-"""Train a small GPT on synthetic data with lazy asynchronous checkpoints.
+"""Train a small GPT on synthetic data with asynchronous checkpoints.
 
 The training loop every user of dcp_datastates writes, end to end:
 
 - a GPT-style model (token + position embeddings, pre-norm transformer blocks, causal
   self-attention) trained with AdamW on a deterministic synthetic task (each sequence
   is an arithmetic progression of tokens modulo the vocabulary, so the loss falls);
-- one ``DataStatesWriter`` created once and reused for every save, with
-  ``writer.protect(optimizer)`` so that ``optimizer.step()`` waits for any capture that
-  is still copying tensors into the host cache (the only point where a lazy capture
-  can block training);
-- a checkpoint every ``--ckpt-every`` steps with ``dcp.async_save`` into
-  ``<ckpt-dir>/step-<N>``; when a save is durable (its future is done) the ``latest``
+- one ``DataStatesWriter`` created once, with a host cache sized to one checkpoint, and
+  reused for every save;
+- a checkpoint every ``--ckpt-every`` steps with the plain call
+  ``dcp.async_save(state, storage_writer=writer, checkpoint_id=<ckpt-dir>/step-<N>)``
+  and nothing else to call; when a save is durable (its future is done) the ``latest``
   pointer is moved to it and old checkpoints are pruned (``--keep-last``);
 - on start, partial checkpoints left by a crash are removed and training resumes from
   ``latest_complete(<ckpt-dir>)`` with *stock* ``dcp.load`` (model, optimizer, step
   counter and the data generator's RNG state), so a resumed run is bit-identical to
   one that was never interrupted.
+
+Per checkpoint it prints one line: its size, how long training was blocked, and how long
+until it was durable. ``--report PATH`` writes the run's timings as JSON (step times,
+checkpoints, final hashes) for ``examples/main_job.py``, which compares runs.
 
 Single process by default; under ``torchrun --nproc-per-node N`` the model is wrapped
 in DDP (gloo on CPU, NCCL on CUDA) and checkpoint collectives use a dedicated gloo group.
@@ -29,29 +32,36 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import datetime
 import hashlib
+import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.storage import StorageWriter
+# The example needs no numpy (setup_env.sh does not install it): silence torch's import-time
+# warning about its absence.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from dcp_datastates.checkpoints import (
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # noqa: E402
+from torch.distributed.checkpoint.storage import StorageWriter  # noqa: E402
+
+from dcp_datastates.checkpoints import (  # noqa: E402
     RetentionPolicy,
     cleanup_incomplete,
     latest_complete,
@@ -64,7 +74,7 @@ from dcp_datastates.checkpoints import (
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Model shape and per-rank batch."""
+    """Model shape, per-rank batch and the default peak learning rate."""
 
     vocab_size: int
     seq_len: int
@@ -72,6 +82,7 @@ class GPTConfig:
     n_head: int
     d_model: int
     batch_size: int
+    lr: float = 3e-3
 
 
 SIZES: dict[str, GPTConfig] = {
@@ -80,6 +91,12 @@ SIZES: dict[str, GPTConfig] = {
     # ~3.3 M parameters, ~40 MB checkpoint.
     "small": GPTConfig(
         vocab_size=512, seq_len=128, n_layer=4, n_head=8, d_model=256, batch_size=16
+    ),
+    # ~35.9 M parameters, ~431 MB checkpoint: the README's main job. Few tokens per step
+    # (4 x 64) keep a step short on 2 CPU cores while the checkpoint has a realistic size;
+    # the loss falls from about 5.7 to 2.2 in 65 steps.
+    "medium": GPTConfig(
+        vocab_size=256, seq_len=64, n_layer=5, n_head=12, d_model=768, batch_size=4, lr=1e-3
     ),
 }
 
@@ -191,12 +208,20 @@ def app_state(
 ) -> dict[str, Any]:
     """Everything a bit-identical resume needs, as a DCP state dict.
 
-    Model and optimizer tensors are the live ones (no copies): the writer captures
-    them lazily, and ``writer.protect(opt)`` keeps ``opt.step()`` from changing them
-    before the capture is done.
+    Model and optimizer tensors are the live ones (no copies): the writer snapshots them
+    at the save call, and the state the checkpoint holds is the state at that call.
     """
     model_sd, optim_sd = get_state_dict(model, opt)
     return {"model": model_sd, "optim": optim_sd, "step": step, "rng": data.get_state()}
+
+
+def _hash_tensor(h: Any, t: torch.Tensor) -> None:
+    """Feed a tensor's raw bytes to ``h`` without numpy (the example must not need it)."""
+    t = t.detach().cpu().contiguous()
+    nbytes = t.numel() * t.element_size()
+    if nbytes:
+        # A zero-copy view of the tensor's memory; ``t`` stays alive until update returns.
+        h.update((ctypes.c_char * nbytes).from_address(t.data_ptr()))
 
 
 def tree_hash(tree: Any) -> str:
@@ -205,9 +230,8 @@ def tree_hash(tree: Any) -> str:
 
     def visit(prefix: str, obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
-            h.update(f"{prefix}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(f"{prefix}:{obj.dtype}:{tuple(obj.shape)}".encode())
+            _hash_tensor(h, obj)
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 visit(f"{prefix}.{k}", obj[k])
@@ -223,6 +247,8 @@ def tree_hash(tree: Any) -> str:
 
 # --------------------------------------------------------------------------- saving
 
+MIB = 1 << 20
+
 
 @dataclass
 class PendingSave:
@@ -234,6 +260,17 @@ class PendingSave:
     t_call: float  # perf_counter when the save call started
     call_s: float  # how long the save call itself took
     t_done: float | None = None  # set by a done-callback
+    waited_s: float = 0.0  # training waited for this save before issuing the next one
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One durable checkpoint as printed and reported (rank 0's view)."""
+
+    step: int
+    bytes: int  # on disk
+    blocked_s: float  # save call + optimizer-step waits + waits before the next save
+    durable_s: float  # from the save call until its future was done (.metadata committed)
 
 
 def parse_cache_size(text: str) -> float | str:
@@ -241,7 +278,22 @@ def parse_cache_size(text: str) -> float | str:
     return float(text) if re.fullmatch(r"\d+(\.\d+)?", text.strip()) else text.strip()
 
 
-def make_writer(args: argparse.Namespace) -> StorageWriter:
+def checkpoint_bytes_estimate(model: nn.Module) -> int:
+    """Tensor bytes of one checkpoint: the weights plus AdamW's two moments per weight.
+
+    The optimizer state does not exist before the first step, so it is estimated from
+    the parameters rather than measured.
+    """
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def auto_cache_size(model: nn.Module) -> str:
+    """A host cache that holds one whole checkpoint, plus slack for alignment, in MiB."""
+    need = checkpoint_bytes_estimate(model) + 32 * MIB
+    return f"{-(-need // MIB)}MiB"
+
+
+def make_writer(args: argparse.Namespace, host_cache_size: str) -> StorageWriter:
     if args.writer == "filesystem":
         return dcp.FileSystemWriter(args.ckpt_dir)
     try:
@@ -252,7 +304,7 @@ def make_writer(args: argparse.Namespace) -> StorageWriter:
             "package (pip install .) or run with --writer filesystem"
         ) from exc
     writer: StorageWriter = DataStatesWriter(
-        args.ckpt_dir, host_cache_size=parse_cache_size(args.host_cache_size)
+        args.ckpt_dir, host_cache_size=parse_cache_size(host_cache_size)
     )
     return writer
 
@@ -265,7 +317,12 @@ MAX_IN_FLIGHT = 1  # the previous save is finalized (latest, prune) before the n
 
 
 class Checkpointer:
-    """Issues saves, finalises them (latest + prune) and prints their telemetry."""
+    """Issues saves, finalises them (latest + prune) and prints one line per checkpoint.
+
+    Runs on the training thread only. A save is *finalised* once its future is done:
+    its error (if any) is raised here, rank 0 moves ``latest`` to it, prunes, and
+    records and prints a :class:`SaveRecord`.
+    """
 
     def __init__(
         self,
@@ -284,8 +341,8 @@ class Checkpointer:
         # Saves in flight, oldest first. The writer runs them one after another in the
         # background; a new save waits while MAX_IN_FLIGHT are queued.
         self.pending: collections.deque[PendingSave] = collections.deque()
-        self.total_blocked_s = 0.0
-        self.saves = 0
+        self.records: list[SaveRecord] = []
+        self.issued: list[int] = []  # steps of every save issued, durable or not
 
     def save(self, state: dict[str, Any], step: int) -> None:
         self.poll()
@@ -323,7 +380,7 @@ class Checkpointer:
 
             fut.add_done_callback(mark_done)
         self.pending.append(pending)
-        self.saves += 1
+        self.issued.append(step)
         if fut is None:
             self.finalize(wait=True)
 
@@ -335,8 +392,8 @@ class Checkpointer:
     def finalize(self, *, wait: bool, at_exit: bool = False) -> None:
         """Wait for the oldest pending save (re-raising its error), move latest, prune, report.
 
-        A wait before the next save blocks training and is counted as such; the wait at
-        exit (``at_exit``) is not.
+        A wait before the next save blocks training and is counted in that save's blocked
+        time; the wait at exit (``at_exit``) is not.
         """
         if not self.pending:
             return
@@ -347,47 +404,42 @@ class Checkpointer:
                     return
                 t0 = time.perf_counter()
                 p.future.result()
-                waited = time.perf_counter() - t0
                 if not at_exit:
-                    self.total_blocked_s += waited
-                why = "before exit" if at_exit else "to bound the saves in flight"
-                log(self.rank, f"  waited {waited:.3f}s for step-{p.step} to be durable {why}")
+                    p.waited_s += time.perf_counter() - t0
             p.future.result()
         self.pending.popleft()
         if self.rank == 0:
+            nbytes = dir_bytes(p.path)
             update_latest(self.root, p.path.name)
             removed = prune(self.root, self.policy)
-            self.report(p, removed)
+            self.report(p, nbytes, removed)
 
-    def report(self, p: PendingSave, removed: list[Path]) -> None:
-        """Print one line per durable checkpoint (rank 0's view).
+    def report(self, p: PendingSave, nbytes: int, removed: list[Path]) -> None:
+        """Record and print one line per durable checkpoint (rank 0's view).
 
-        training blocked = the save call itself (DCP's own work plus the writer's
-        ``stage``) + the time ``optimizer.step`` waited for this save's copies (the
-        writer's ``blocked_s`` minus its ``stage_s``). flush = bytes / (done - stage).
+        blocked = the save call itself (DCP's own work plus the writer's ``stage``) + the
+        time ``optimizer.step`` waited for this save's copies (the writer's ``blocked_s``
+        minus its ``stage_s``, 0 for other writers) + the wait for it before the next save.
+        durable = from the save call until its future was done.
         """
         stats = self._stats_for(p.path)
-        t_done = p.t_done if p.t_done is not None else time.perf_counter()
-        waits = 0.0
+        step_waits = 0.0
         if stats is not None:
-            waits = max(0.0, float(stats["blocked_s"]) - float(stats.get("stage_s") or 0.0))
-            nbytes = int(stats["bytes"])
-            flush_s = float(stats["t_done"]) - float(stats["t_stage"])
-            if not math.isfinite(flush_s):
-                flush_s = t_done - p.t_call
-            source = "writer stats"
-        else:  # FileSystemWriter: the save call is the blocking part (it copies the state)
-            nbytes = dir_bytes(p.path)
-            flush_s = t_done - p.t_call
-            source = "measured"
-        blocked = p.call_s + waits
-        self.total_blocked_s += blocked
-        rate = nbytes / flush_s / 1e6 if flush_s > 0 else float("inf")
+            blocked = _finite(stats.get("blocked_s"))
+            staged = _finite(stats.get("stage_s"))
+            step_waits = max(0.0, blocked - staged)
+        t_done = p.t_done if p.t_done is not None else time.perf_counter()
+        rec = SaveRecord(
+            step=p.step,
+            bytes=nbytes,
+            blocked_s=p.call_s + step_waits + p.waited_s,
+            durable_s=t_done - p.t_call,
+        )
+        self.records.append(rec)
         pruned = f", pruned {', '.join(r.name for r in removed)}" if removed else ""
         print(
-            f"[ckpt] step-{p.step}: {nbytes / 1e6:.2f} MB, training blocked "
-            f"{blocked * 1e3:.1f} ms (save call {p.call_s * 1e3:.1f} + step waits "
-            f"{waits * 1e3:.1f}), flush {flush_s:.3f} s = {rate:.1f} MB/s [{source}]{pruned}",
+            f"[ckpt] step-{rec.step}: {rec.bytes / 1e6:.1f} MB, blocked "
+            f"{rec.blocked_s * 1e3:.1f} ms, durable {rec.durable_s:.2f} s{pruned}",
             flush=True,
         )
 
@@ -400,7 +452,85 @@ class Checkpointer:
             cid = entry.get("checkpoint_id")
             if cid is not None and os.fspath(cid) == os.fspath(path):
                 return entry
-        return entries[-1] if entries else None
+        return None
+
+
+def _finite(value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return x if math.isfinite(x) else 0.0
+
+
+def plain_dcp_save_baseline(
+    state: dict[str, Any], root: Path, count: int, pg: dist.ProcessGroup | None, rank: int
+) -> list[dict[str, float]]:
+    """Times ``count`` plain ``dcp.save`` calls of ``state`` with torch's FileSystemWriter.
+
+    The synchronous save is what most training jobs call: training waits for all of it,
+    so its duration is both its blocked time and its cost. Each save goes to
+    ``<root>/fs-baseline-<i>`` (a name the checkpoint helpers ignore) and is deleted.
+    """
+    out: list[dict[str, float]] = []
+    for i in range(count):
+        path = root / f"fs-baseline-{i}"
+        t0 = time.perf_counter()
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(path),
+            checkpoint_id=path,
+            process_group=pg,
+            no_dist=pg is None,
+        )
+        seconds = time.perf_counter() - t0
+        if pg is not None:
+            dist.barrier(group=pg)
+        if rank == 0:
+            nbytes = dir_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            out.append({"bytes": nbytes, "seconds": seconds})
+            print(
+                f"[dcp.save] FileSystemWriter: {nbytes / 1e6:.1f} MB, blocked = durable "
+                f"{seconds:.2f} s",
+                flush=True,
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass
+class RunReport:
+    """What ``--report`` writes (rank 0): the run's timings, checkpoints and final state.
+
+    ``step_times`` holds ``[step, seconds]`` pairs: seconds since the loop started when
+    that step was done, checkpoint work after it included (``[start_step, 0.0]`` first).
+    """
+
+    size: str
+    params: int
+    writer: str
+    sync: bool
+    start_step: int
+    resumed_from: str | None = None
+    load_s: float | None = None
+    host_cache_size: str | None = None
+    step_times: list[list[float]] = field(default_factory=list)
+    saves_issued: list[int] = field(default_factory=list)
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    crashed: bool = False
+    exit_wait_s: float = 0.0
+    final: dict[str, str] | None = None
+    fs_saves: list[dict[str, float]] = field(default_factory=list)
+
+    def write(self, path: str | None, rank: int) -> None:
+        if path is None or rank != 0:
+            return
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- main
@@ -418,8 +548,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=10, help="save every N steps (0: never)")
     ap.add_argument(
         "--host-cache-size",
-        default="1GiB",
-        help="DataStatesWriter host cache: GiB as a number or a string like 512MiB",
+        default="auto",
+        help="DataStatesWriter host cache: 'auto' (one checkpoint: weights + AdamW moments, "
+        "+32 MiB), GiB as a number, or a string like 512MiB",
     )
     ap.add_argument(
         "--keep-last", type=int, default=3, help="keep the newest N checkpoints (0: keep all)"
@@ -437,18 +568,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "save in flight (rerun without it to resume)",
     )
     ap.add_argument("--sync", action="store_true", help="dcp.save instead of dcp.async_save")
-    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--size", choices=list(SIZES), default="tiny")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: per --size)"
+    )
     ap.add_argument(
         "--writer",
         choices=["datastates", "filesystem"],
         default="datastates",
         help="filesystem: torch's FileSystemWriter, as a baseline",
     )
+    ap.add_argument(
+        "--fs-baseline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, time N plain dcp.save calls of the final state with "
+        "FileSystemWriter (into <ckpt-dir>/fs-baseline-i, deleted afterwards)",
+    )
+    ap.add_argument(
+        "--report", default=None, metavar="PATH", help="write the run's timings as JSON"
+    )
     args = ap.parse_args(argv)
-    if args.steps < 0 or args.ckpt_every < 0:
-        ap.error("--steps and --ckpt-every must be >= 0")
+    if args.steps < 0 or args.ckpt_every < 0 or args.fs_baseline < 0:
+        ap.error("--steps, --ckpt-every and --fs-baseline must be >= 0")
     if args.keep_last is not None and args.keep_last <= 0:
         args.keep_last = None  # 0: keep everything
     if args.keep_every is not None and args.keep_every <= 0:
@@ -477,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device(args.device)
     cfg = SIZES[args.size]
+    lr = args.lr if args.lr is not None else cfg.lr
     root = Path(args.ckpt_dir)
 
     torch.manual_seed(args.seed)
@@ -486,10 +631,22 @@ def main(argv: list[str] | None = None) -> int:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     data = SyntheticData(cfg, seed=args.seed + 1, rank=rank, world_size=world_size)
     n_params = sum(p.numel() for p in net.parameters())
-    log(rank, f"GPT[{args.size}] {n_params / 1e6:.2f} M params, {device}, world size {world_size}")
+    log(
+        rank,
+        f"GPT[{args.size}] {n_params / 1e6:.2f} M params, checkpoint ~"
+        f"{checkpoint_bytes_estimate(net) / 1e6:.1f} MB with AdamW state, {device}, "
+        f"world size {world_size}",
+    )
+    report = RunReport(
+        size=args.size,
+        params=n_params,
+        writer=args.writer,
+        sync=args.sync,
+        start_step=0,
+    )
 
     # ---- resume: drop what a crash left behind, then load the newest committed checkpoint
     if rank == 0:
@@ -507,22 +664,33 @@ def main(argv: list[str] | None = None) -> int:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         data.set_state(state["rng"])
         start_step = int(state["step"])
-        log(rank, f"resumed from {resume} at step {start_step} ({time.perf_counter() - t0:.2f}s)")
+        report.load_s = time.perf_counter() - t0
+        report.resumed_from = os.fspath(resume)
+        log(rank, f"resumed from {resume} at step {start_step} ({report.load_s:.2f}s, dcp.load)")
+    report.start_step = start_step
 
-    writer = make_writer(args)
-    protect = getattr(writer, "protect", None)
-    if protect is not None:
-        protect(opt)  # opt.step() waits for in-flight captures: the lazy-capture contract
-    ckpt = Checkpointer(args, writer, pg, rank)
+    writer: StorageWriter | None = None
+    ckpt: Checkpointer | None = None
+    if args.ckpt_every:
+        cache = auto_cache_size(net) if args.host_cache_size == "auto" else args.host_cache_size
+        writer = make_writer(args, cache)
+        ckpt = Checkpointer(args, writer, pg, rank)
+        mode = "dcp.save" if args.sync else "dcp.async_save"
+        if args.writer == "datastates":
+            report.host_cache_size = cache
+            log(rank, f"checkpoints: {mode} + DataStatesWriter(host_cache_size={cache!r})")
+        else:
+            log(rank, f"checkpoints: {mode} + FileSystemWriter")
 
     # ---- train
     if start_step >= args.steps:
         log(rank, f"checkpoint is at step {start_step} >= --steps {args.steps}: nothing to train")
     loss = torch.tensor(float("nan"))
-    t_train = time.perf_counter()
+    report.step_times.append([start_step, 0.0])
+    t_loop = time.perf_counter()
     for step in range(start_step, args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(step, args.steps, lr)
         x, y = data.next_batch()
         loss = model(x.to(device), y.to(device))
         opt.zero_grad(set_to_none=True)
@@ -531,27 +699,51 @@ def main(argv: list[str] | None = None) -> int:
         done = step + 1
         if done % 10 == 0 or done == args.steps:
             log(rank, f"step {done:5d}  loss {loss.item():.4f}")
-        ckpt.poll()
-        if args.ckpt_every and done % args.ckpt_every == 0:
-            ckpt.save(app_state(model, opt, done, data), done)
+        if ckpt is not None:
+            ckpt.poll()
+            if done % args.ckpt_every == 0:
+                ckpt.save(app_state(model, opt, done, data), done)
+        report.step_times.append([done, time.perf_counter() - t_loop])
         if args.stop_after is not None and done == args.stop_after:
             log(rank, f"simulated crash after step {done}: exiting without waiting for saves")
+            if ckpt is not None:
+                report.saves = [asdict(r) for r in ckpt.records]
+                report.saves_issued = list(ckpt.issued)
+            report.crashed = True
+            report.write(args.report, rank)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-    while ckpt.pending:  # every save must be durable before we exit
-        ckpt.finalize(wait=True, at_exit=True)
-    elapsed = time.perf_counter() - t_train
+    t_wait = time.perf_counter()
+    if ckpt is not None:
+        while ckpt.pending:  # every save must be durable before we exit
+            ckpt.finalize(wait=True, at_exit=True)
+    report.exit_wait_s = time.perf_counter() - t_wait
+    elapsed = time.perf_counter() - t_loop
 
     final_loss = loss.item()
     param_hash = tree_hash(dict(net.named_parameters()))
     optim_hash = tree_hash(get_state_dict(model, opt)[1])
-    log(
-        rank,
-        f"trained steps {start_step}..{args.steps} in {elapsed:.2f}s, {ckpt.saves} checkpoints, "
-        f"training blocked {ckpt.total_blocked_s:.3f}s in total",
-    )
+    report.final = {"loss": repr(final_loss), "param_hash": param_hash, "optim_hash": optim_hash}
+    if ckpt is not None:
+        report.saves = [asdict(r) for r in ckpt.records]
+        report.saves_issued = list(ckpt.issued)
+        recs = ckpt.records
+        if recs:
+            blocked = sum(r.blocked_s for r in recs)
+            log(
+                rank,
+                f"trained steps {start_step}..{args.steps} in {elapsed:.2f}s with "
+                f"{len(recs)} checkpoints: blocked {blocked / len(recs) * 1e3:.1f} ms and "
+                f"durable after {sum(r.durable_s for r in recs) / len(recs):.2f} s on average",
+            )
+    else:
+        log(rank, f"trained steps {start_step}..{args.steps} in {elapsed:.2f}s, no checkpoints")
     log(rank, f"final_loss={final_loss!r} param_hash={param_hash} optim_hash={optim_hash}")
+    if args.fs_baseline:
+        state = app_state(model, opt, args.steps, data)
+        report.fs_saves = plain_dcp_save_baseline(state, root, args.fs_baseline, pg, rank)
+    report.write(args.report, rank)
     close = getattr(writer, "close", None)
     if callable(close):
         close()
