@@ -38,10 +38,14 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: import the installed dcp_datastates, not ../
-    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    del sys.path[0]
-    sys.path.append(_ROOT)
+if __package__ in (None, ""):  # run as a script (`python benchmarks/memory.py`)
+    # the repository goes last, so an installed dcp_datastates (with its compiled engine) wins
+    # over the source tree; the script's own directory must not shadow other modules
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    if os.path.dirname(_HERE) not in sys.path:
+        sys.path.append(os.path.dirname(_HERE))
 
 MiB = 1024 * 1024
 SLACK_BYTES = 64 * MiB
@@ -63,6 +67,7 @@ class MemoryRow:
     state_bytes: int
     cache_fraction: float = 0.125
     timeout_s: float = 120.0
+    durable: bool = True  # the writer's fdatasync (off in tests: it costs time, not RSS)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -152,7 +157,10 @@ def measure(row: MemoryRow, ckpt_root: str) -> dict[str, Any]:
             if writer is None:  # created inside the first save's window: its cache counts
                 capture = "auto" if row.mode == "dcp.save" else row.mode
                 writer = DataStatesWriter(
-                    ckpt_root, host_cache_size=f"{row.cache_bytes // MiB}MiB", capture=capture
+                    ckpt_root,
+                    host_cache_size=f"{row.cache_bytes // MiB}MiB",
+                    capture=capture,
+                    durable=row.durable,
                 )
             rec: dict[str, Any] = {"save": label, "rss_before": rss_before, "error": None}
             t0 = time.perf_counter()

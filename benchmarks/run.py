@@ -23,8 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # executed as `python benchmarks/run.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (`python benchmarks/run.py`)
+    # the repository goes last, so an installed dcp_datastates (with its compiled engine) wins
+    # over the source tree; the script's own directory must not shadow other modules
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    if os.path.dirname(_HERE) not in sys.path:
+        sys.path.append(os.path.dirname(_HERE))
 
 from benchmarks.contenders import (  # noqa: E402
     ALL_NAMES,
@@ -332,6 +338,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
                 cache_fraction=args.cache_fraction,
                 memory_bytes=size_bytes,
                 memory_states=states,
+                memory_parallel=2 if args.quick else 1,
                 description=(
                     "Peak RSS growth of a save through DataStatesWriter with a host cache of "
                     f"{args.cache_fraction:g} x a {memory} mixed state (and a state holding one "

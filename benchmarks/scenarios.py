@@ -21,6 +21,7 @@ and compared bit for bit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import traceback
@@ -81,6 +82,7 @@ class Scenario:
     mlp_preset: str = "large"  # kind "mlp"
     memory_bytes: int = 0  # kind "memory": size of the mixed state
     memory_states: str = "mixed,bigtensor"  # kind "memory": comma list
+    memory_parallel: int = 1  # kind "memory": rows measured at once (VmHWM is per process)
     description: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -558,16 +560,21 @@ def run_memory(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
 
     states = [s for s in scn.memory_states.split(",") if s]
     frac = scn.cache_fraction if scn.cache_fraction is not None else 0.125
-    rows: list[dict[str, Any]] = []
-    for state in states:
-        for mode in MODES:
-            row = MemoryRow(mode, state, scn.memory_bytes, frac, timeout_s=300.0)
-            print(f"   {scn.name}: {row.name}", flush=True)
-            try:
-                res = run_row(row, os.path.join(opts.root, scn.name, mode.replace(".", "_"), state))
-            except RuntimeError as e:
-                res = {"row": asdict(row), "name": row.name, "saves": [], "error": str(e)}
-            rows.append(res)
+    todo = [
+        MemoryRow(m, st, scn.memory_bytes, frac, timeout_s=300.0) for st in states for m in MODES
+    ]
+
+    def one(row: MemoryRow) -> dict[str, Any]:
+        print(f"   {scn.name}: {row.name}", flush=True)
+        try:
+            return run_row(
+                row, os.path.join(opts.root, scn.name, row.mode.replace(".", "_"), row.state)
+            )
+        except RuntimeError as e:
+            return {"row": asdict(row), "name": row.name, "saves": [], "error": str(e)}
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, scn.memory_parallel)) as pool:
+        rows = list(pool.map(one, todo))
     _rmtree(os.path.join(opts.root, scn.name))
     return {"rank": env.rank, "slack_bytes": SLACK_BYTES, "rows": rows}
 
