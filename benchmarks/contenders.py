@@ -254,8 +254,8 @@ class DcpSave(Contender):
         """``threads=None``: use ``ctx.fs_threads`` (the "several threads" variant)."""
         super().__init__()
         self._threads = threads
-        self.name = "dcp_fs_t1" if threads == 1 else "dcp_fs_tN"
-        self.label = "dcp.save FS t=1" if threads == 1 else "dcp.save FS t=N"
+        self.name = f"dcp_fs_t{threads}" if threads else "dcp_fs_tN"
+        self.label = f"dcp.save FS t={threads or 'N'}"
 
     @property
     def threads(self) -> int:
@@ -434,6 +434,7 @@ def datastates_import_error() -> str | None:
 
 class _DataStates(Contender):
     writer_options: dict[str, Any] = {}  # forced DataStatesWriter options of this variant
+    protect_optimizer = True  # asynchronous variants call writer.protect(optimizer)
 
     def __init__(self) -> None:
         super().__init__()
@@ -452,7 +453,7 @@ class _DataStates(Contender):
         mib = max(1, -(-ctx.host_cache_bytes // (1024 * 1024)))
         options = {**ctx.ds_options, **self.writer_options}
         self.writer = DataStatesWriter(run_dir, host_cache_size=f"{mib}MiB", **options)
-        if optimizer is not None and self.asynchronous:
+        if optimizer is not None and self.asynchronous and self.protect_optimizer:
             self.writer.protect(optimizer)
 
     @property
@@ -530,6 +531,22 @@ class DataStatesAsyncLazy(DataStatesAsync):
     writer_options = {"capture": "lazy"}
 
 
+class DataStatesPlain(DataStatesAsync):
+    """The plain call the product promises is enough: ``dcp.async_save(state,
+    storage_writer=writer, checkpoint_id=...)`` and nothing else.
+
+    No ``protect()``, no ``wait_captured()`` before the optimizer step, the writer's default
+    capture. Whatever the writer does to keep the snapshot exact happens inside its public API.
+    """
+
+    name = "ds_plain"
+    label = "DataStates async_save (plain call)"
+    protect_optimizer = False
+
+    def _wait_staged(self) -> None:
+        return None  # the plain call has no barrier
+
+
 ALL_NAMES: tuple[str, ...] = (
     "torch_save",
     "dcp_fs_t1",
@@ -540,10 +557,17 @@ ALL_NAMES: tuple[str, ...] = (
     "ds_save",
     "ds_async",
     "ds_async_lazy",
+    "ds_plain",
 )
-DATASTATES_NAMES: tuple[str, ...] = ("ds_save", "ds_async", "ds_async_lazy")
+DATASTATES_NAMES: tuple[str, ...] = ("ds_save", "ds_async", "ds_async_lazy", "ds_plain")
 # same as ds_async once protect(optimizer) marks all training state as lazily captured
 TRAINING_EXCLUDED: tuple[str, ...] = ("ds_async_lazy",)
+# the plain call is about training loops (no barrier: the synthetic scenarios' in-place change
+# right after the barrier would race its copies by design of that scenario, not of the writer)
+SYNTHETIC_EXCLUDED: tuple[str, ...] = ("ds_plain",)
+# the mlp-loop contenders (the names the issue uses; "none" is the baseline, always run)
+MLP_NAMES: tuple[str, ...] = ("ds_plain", "dcp_fs_t2", "dcp_default_stager", "dcp_async")
+MLP_DEFAULT: tuple[str, ...] = ("ds_plain", "dcp_fs_t2", "dcp_default_stager")
 
 
 def make_contender(name: str) -> Contender:
@@ -558,8 +582,14 @@ def make_contender(name: str) -> Contender:
         "ds_save": DataStatesSave,
         "ds_async": DataStatesAsync,
         "ds_async_lazy": DataStatesAsyncLazy,
+        "ds_plain": DataStatesPlain,
+        # fixed-configuration names used by the mlp-loop scenario
+        "dcp_fs_t2": lambda: DcpSave(2),
+        "dcp_default_stager": DcpAsyncStager,
     }
     if name not in factories:
-        raise ValueError(f"unknown contender {name!r}; choose from {', '.join(ALL_NAMES)}")
+        names = ", ".join(dict.fromkeys(ALL_NAMES + MLP_NAMES))
+        raise ValueError(f"unknown contender {name!r}; choose from {names}")
     c: Contender = factories[name]()
+    c.name = name
     return c

@@ -53,6 +53,12 @@ def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def vmhwm_bytes() -> int | None:
+    """The process's resident high-water mark (``VmHWM``), None where /proc lacks it."""
+    kib = _read_status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
 class PeakRSS:
     """Peak resident set size over a window: ``reset()`` ... ``peak()``.
 

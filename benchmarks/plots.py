@@ -259,12 +259,48 @@ def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     return path
 
 
+def mlp_cost_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
+    """mlp-loop: cost per checkpoint (loop time over `none`, drain included) and blocked time."""
+    panels = _panels(scenarios, "mlp")
+    if not panels:
+        return None
+    fig, axes = _panel_figure(len(panels))
+    for ax, scn in zip(axes.flat, panels, strict=False):
+        items = _ok(scn["summary"])
+        ys = list(range(len(items)))
+        for key, color, off, lbl in (
+            ("cost_per_ckpt_s", COLORS["blocked"], -0.18, "cost per checkpoint (loop time)"),
+            ("blocked_s", COLORS["capture"], 0.18, "blocked (call + wait before step)"),
+        ):
+            med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
+            ax.barh(
+                [y + off for y in ys],
+                med,
+                height=0.36,
+                xerr=[lo, hi],
+                color=color,
+                error_kw={"elinewidth": 0.8, "capsize": 2},
+                label=lbl,
+            )
+        ax.axvline(0, color="black", lw=0.6)
+        ax.set_yticks(ys, [c["label"] for _, c in items], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{scn['name']}: seconds per checkpoint", fontsize=8, loc="left")
+        ax.set_xlabel("seconds (median over rounds, min/max)", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def make_all(results: dict[str, Any], out_dir: str) -> dict[str, list[str]]:
     """Write every plot; returns {scenario name or "": [png paths]}."""
     os.makedirs(out_dir, exist_ok=True)
     made: dict[str, list[str]] = {}
     for scn in results["scenarios"]:
-        if scn["kind"] == "training" and "contenders" in scn["summary"]:
+        if scn["kind"] in ("training", "mlp") and "contenders" in scn["summary"]:
             safe = scn["name"].replace("/", "_")
             p = timeline(
                 scn["name"],
@@ -278,6 +314,7 @@ def make_all(results: dict[str, Any], out_dir: str) -> dict[str, list[str]]:
         (blocked_bars, "blocked.png"),
         (slowdown_bars, "slowdown.png"),
         (throughput_bars, "throughput.png"),
+        (mlp_cost_bars, "mlp_cost.png"),
     ):
         p = fn(results["scenarios"], os.path.join(out_dir, fname))
         if p:

@@ -245,6 +245,103 @@ def training_table(summary: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
+def mlp_table(summary: dict[str, Any]) -> str:
+    header = [
+        "contender",
+        "cost s / ckpt",
+        "blocked s / ckpt",
+        "fwd after save s",
+        "bwd after save s",
+        "until durable s",
+        "final drain s",
+        "VmHWM GB (+ over pre-loop RSS)",
+        "bit-exact",
+    ]
+    base_fb = summary.get("baseline_fwd_bwd_s")
+    base_hwm = summary.get("baseline_vmhwm_gb")
+    rows: list[list[str]] = [
+        [
+            "no checkpointing",
+            "0",
+            "0",
+            "",
+            "",
+            "",
+            "",
+            fmt_stat(base_hwm, 2),
+            f"(fwd+bwd {fmt_stat(base_fb)} s)",
+        ]
+    ]
+    for c in summary["contenders"].values():
+        bad = _status_row(c, len(header))
+        if bad is not None:
+            rows.append(bad)
+            continue
+        extra = _med(c["vmhwm_extra_gb"])
+        hwm = fmt_stat(c["vmhwm_gb"], 2)
+        exact = "yes" if c["verified"] else "**NO**"
+        if c["verified"] and c.get("verified_first_by_replay"):
+            exact += " (first ckpt by replay too)"
+        rows.append(
+            [
+                c["label"],
+                f"**{fmt_stat(c['cost_per_ckpt_s'])}**",
+                fmt_stat(c["blocked_s"]),
+                fmt_stat(c["fwd_after_save_s"]),
+                fmt_stat(c["bwd_after_save_s"]),
+                fmt_stat(c["durable_s"]),
+                fmt_stat(c["drain_s"]),
+                f"{hwm} (+{_fmt(extra, 2)})" if extra is not None else hwm,
+                exact,
+            ]
+        )
+    return _table(header, rows)
+
+
+def memory_table(summary: dict[str, Any]) -> str:
+    mib = 1024 * 1024
+    header = [
+        "mode",
+        "state",
+        "save",
+        "state MiB",
+        "cache MiB",
+        "growth MiB",
+        "bound MiB",
+        "within bound",
+        "growth over RSS just before MiB",
+        "call s",
+        "durable s",
+        "bit-exact",
+    ]
+    rows: list[list[str]] = []
+    for r in summary["rows"]:
+        if "growth_bytes" not in r:
+            err = str(r.get("error") or "?").strip().splitlines()[-1][:160]
+            rows.append([r["mode"], r["state"], "-", f"**failed**: {err}"] + [""] * 8)
+            continue
+        exact = {True: "yes", False: "**NO**", None: "-"}[r["bit_exact"]]
+        if r.get("error"):
+            exact = "save failed: " + r["error"].strip().splitlines()[-1][:120]
+        rows.append(
+            [
+                f"`{r['mode']}`",
+                r["state"],
+                r["save"],
+                _fmt((r.get("state_bytes") or 0) / mib, 1),
+                _fmt(r["cache_bytes"] / mib, 1),
+                _fmt(r["growth_bytes"] / mib, 1),
+                _fmt(r["bound_bytes"] / mib, 1),
+                "yes" if r["within_bound"] else "**NO**",
+                _fmt(r["growth_vs_save_bytes"] / mib, 1),
+                _fmt(r.get("call_s")),
+                _fmt(r.get("durable_s")),
+                exact,
+            ]
+        )
+    return _table(header, rows)
+
+
 def markdown(results: dict[str, Any], plots: dict[str, list[str]], out_dir: str) -> str:
     m = results["meta"]
     mach = m["machine"]
@@ -293,6 +390,37 @@ def markdown(results: dict[str, Any], plots: dict[str, list[str]], out_dir: str)
             )
             parts.append("")
             parts.append(synthetic_table(s))
+        elif scn["kind"] == "mlp":
+            nbytes = next((c.get("bytes") for c in s["contenders"].values() if c.get("bytes")), 0)
+            parts.append(
+                f"{s['params'] / 1e6:.1f} M parameters, {format_size(nbytes or 0)} checkpoint, "
+                f"torch on {s['threads']} thread(s); loop without checkpoints "
+                f"{fmt_stat(s['baseline_loop_s'])} s. *cost / ckpt* = (loop time with "
+                "checkpoints, final drain included - loop time of `none` in the same round) / "
+                "checkpoints; *blocked* = get_state_dict + save call + any wait before the "
+                "next step; *fwd/bwd after save* = the iteration right after each save "
+                "(background work slowing compute shows there)."
+            )
+            parts.append("")
+            parts.append(mlp_table(s))
+            ratios = s.get("ratios") or {}
+            if ratios:
+                parts.append("")
+                parts.append(
+                    "Cost per checkpoint, ratios of medians: "
+                    + ", ".join(f"{k} = {_fmt(v)}" for k, v in ratios.items())
+                )
+            if s.get("baseline_errors"):
+                parts.append("")
+                parts.append(f"**baseline errors**: `{s['baseline_errors'][0].splitlines()[-1]}`")
+        elif scn["kind"] == "memory":
+            verdict = "every row" if s["all_within_bound"] else "**not every row**"
+            parts.append(
+                f"Bound = host cache + {s['slack_bytes'] // (1024 * 1024)} MiB; "
+                f"{verdict} stays within it."
+            )
+            parts.append("")
+            parts.append(memory_table(s))
         else:
             nbytes = next((c.get("bytes") for c in s["contenders"].values() if c.get("bytes")), 0)
             parts.append(

@@ -23,10 +23,23 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # executed as `python benchmarks/run.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (`python benchmarks/run.py`)
+    # the repository goes last, so an installed dcp_datastates (with its compiled engine) wins
+    # over the source tree; the script's own directory must not shadow other modules
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    if os.path.dirname(_HERE) not in sys.path:
+        sys.path.append(os.path.dirname(_HERE))
 
-from benchmarks.contenders import ALL_NAMES, DATASTATES_NAMES, TRAINING_EXCLUDED  # noqa: E402
+from benchmarks.contenders import (  # noqa: E402
+    ALL_NAMES,
+    DATASTATES_NAMES,
+    MLP_DEFAULT,
+    MLP_NAMES,
+    SYNTHETIC_EXCLUDED,
+    TRAINING_EXCLUDED,
+)
 from benchmarks.metrics import cpu_busy_seconds, own_cpu_seconds  # noqa: E402
 from benchmarks.report import machine_info, markdown, now_iso, write_json  # noqa: E402
 from benchmarks.scenarios import RunOptions, Scenario  # noqa: E402
@@ -43,6 +56,12 @@ QUICK = {
     "repeats": 1,
     "saves": 2,
     "disk_probe": "64MiB",
+    "mlp": "tiny",
+    "mlp_iters": 12,
+    "mlp_ckpt_every": 6,
+    "mlp_rounds": 1,
+    "memory": "32MiB",
+    "memory_states": "mixed",
 }
 DEFAULT = {
     "synthetic": "128MB:small,512MB:mixed,512MB:large",
@@ -55,6 +74,12 @@ DEFAULT = {
     "repeats": 3,
     "saves": 2,
     "disk_probe": "1GiB",
+    "mlp": "large",
+    "mlp_iters": 30,
+    "mlp_ckpt_every": 6,
+    "mlp_rounds": 3,
+    "memory": "512MB",
+    "memory_states": "mixed,bigtensor",
 }
 FULL_EXTRA = "8GB:mixed"  # added by --full, run with one repeat (24 GB machines: run it once)
 
@@ -122,6 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="mutate tensors right after the step barrier and verify against a copy "
         "(default: on with --quick)",
     )
+    p.add_argument(
+        "--mlp", help="mlp-loop scenario: MLP preset tiny|large (large: ~0.9 GB of state); off"
+    )
+    p.add_argument("--mlp-iters", type=int, help="mlp-loop timed iterations (multiple of k)")
+    p.add_argument("--mlp-ckpt-every", type=int, help="mlp-loop: checkpoint every k iterations")
+    p.add_argument("--mlp-rounds", type=int, help="mlp-loop rounds (every contender once each)")
+    p.add_argument(
+        "--mlp-contenders",
+        default=",".join(MLP_DEFAULT),
+        help=f"mlp-loop contenders besides `none` (from {', '.join(MLP_NAMES)})",
+    )
+    p.add_argument(
+        "--memory", help="memory scenario: size of the mixed state (cache: --cache-fraction); off"
+    )
+    p.add_argument("--memory-states", help="memory scenario states: mixed,bigtensor")
     p.add_argument("--disk-probe", help="max bytes for the dd measurement")
     p.add_argument("--scenarios", help="only scenarios whose name contains one of these")
     p.add_argument(
@@ -169,6 +209,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
     specs = _csv(pick("synthetic", "synthetic"))
     if args.full and FULL_EXTRA not in specs:
         specs.append(FULL_EXTRA)
+    synth = tuple(c for c in contenders if c not in SYNTHETIC_EXCLUDED)
     for text in specs:
         spec = SyntheticSpec.parse(text)
         size = text.split(":")[0]
@@ -177,7 +218,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
             Scenario(
                 name=f"synthetic-{size}-{spec.mix}",
                 kind="synthetic",
-                contenders=contenders,
+                contenders=synth,
                 repeats=1 if big and text == FULL_EXTRA else repeats,
                 synthetic=spec,
                 saves=saves,
@@ -188,7 +229,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
                 ),
             )
         )
-    ds = tuple(c for c in contenders if c in DATASTATES_NAMES)
+    ds = tuple(c for c in synth if c in DATASTATES_NAMES)
     frac = args.cache_fraction
     for text in _csv(pick("small_cache", "small_cache")):
         if not ds:
@@ -218,7 +259,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
             Scenario(
                 name=f"2ranks-{size}-{spec.mix}",
                 kind="synthetic",
-                contenders=contenders,
+                contenders=synth,
                 repeats=repeats,
                 world_size=2,
                 synthetic=spec,
@@ -249,6 +290,62 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
                 description=(
                     f"Tiny GPT training loop ({preset}), checkpoint every {k} iteration(s) after "
                     "the optimizer step; asynchronous methods wait before the next step."
+                ),
+            )
+        )
+    mlp_preset = str(pick("mlp", "mlp"))
+    if _csv(mlp_preset):
+        from benchmarks.mlp_loop import mlp_config
+
+        mlp_names = tuple(_csv(args.mlp_contenders))
+        for c in mlp_names:
+            if c not in MLP_NAMES:
+                raise SystemExit(f"unknown mlp contender {c!r}; choose from {', '.join(MLP_NAMES)}")
+        cfg = mlp_config(mlp_preset)
+        k = int(pick("mlp_ckpt_every", "mlp_ckpt_every"))
+        n = int(pick("mlp_iters", "mlp_iters"))
+        n = max(k, n - n % k)
+        scenarios.append(
+            Scenario(
+                name="mlp-loop",
+                kind="mlp",
+                contenders=mlp_names,
+                repeats=int(pick("mlp_rounds", "mlp_rounds")),
+                mlp_preset=mlp_preset,
+                ckpt_every=k,
+                iters=n,
+                warmup=2,
+                description=(
+                    f"MLP `{mlp_preset}` ({cfg.depth} x Linear({cfg.width}, {cfg.width}), "
+                    f"batch {cfg.batch}) + AdamW, {n} iterations, a checkpoint after every "
+                    f"{k}th optimizer step ({n // k} checkpoints); each run a fresh process, the "
+                    "wait until the last checkpoint is durable inside the loop time. The "
+                    "DataStates contender is the plain `dcp.async_save` call: no protect(), "
+                    "no wait before the step."
+                ),
+            )
+        )
+    memory = pick("memory", "memory")
+    if _csv(memory):
+        size_bytes = parse_size(str(memory))
+        states = ",".join(_csv(pick("memory_states", "memory_states")))
+        scenarios.append(
+            Scenario(
+                name="memory",
+                kind="memory",
+                contenders=("ds_save", "ds_plain"),
+                repeats=1,
+                cache_fraction=args.cache_fraction,
+                memory_bytes=size_bytes,
+                memory_states=states,
+                memory_parallel=2 if args.quick else 1,
+                description=(
+                    "Peak RSS growth of a save through DataStatesWriter with a host cache of "
+                    f"{args.cache_fraction:g} x a {memory} mixed state (and a state holding one "
+                    "tensor of 3x that cache), per mode, first and later save, each row in a "
+                    "fresh process. Growth = VmHWM (reset just before the save) minus the RSS "
+                    "before the writer existed, so the cache counts. Promise: growth <= cache "
+                    "+ 64 MiB."
                 ),
             )
         )
@@ -368,6 +465,9 @@ def _print_summary(results: dict[str, Any]) -> None:
             print(f"[{scn['name']}] FAILED: {s['error'].strip().splitlines()[-1]}")
             continue
         print(f"[{scn['name']}]")
+        if scn["kind"] == "memory":
+            _print_memory(s)
+            continue
         for c in s["contenders"].values():
             if c["status"] != "ok":
                 why = c.get("skip_reason") or (c.get("errors") or ["?"])[0]
@@ -379,8 +479,29 @@ def _print_summary(results: dict[str, Any]) -> None:
             extra = ""
             if c.get("slowdown_pct"):
                 extra = f"  slowdown {c['slowdown_pct']['median']:6.1f}%"
+            if c.get("slowdown_until_durable_pct"):
+                extra += f" (incl. drain {c['slowdown_until_durable_pct']['median']:6.1f}%)"
+            if c.get("cost_per_ckpt_s"):
+                extra = f"  cost/ckpt {c['cost_per_ckpt_s']['median']:8.4f}s"
             ok = "bit-exact" if c["verified"] else "NOT VERIFIED"
             print(f"  {c['label']:<52} blocked {b:8.4f}s  durable {d:8.4f}s{extra}  {ok}")
+        for key, v in (s.get("ratios") or {}).items():
+            print(f"  cost per checkpoint {key}: {'-' if v is None else f'{v:.3f}'}")
+
+
+def _print_memory(s: dict[str, Any]) -> None:
+    mib = 1024 * 1024
+    for r in s["rows"]:
+        if "growth_bytes" not in r:
+            print(f"  {r['mode']:<9} {r['state']:<10} FAILED: {str(r['error']).splitlines()[-1]}")
+            continue
+        verdict = "ok" if r["within_bound"] else "OVER BOUND"
+        err = f"  error: {r['error'].splitlines()[-1][:80]}" if r.get("error") else ""
+        print(
+            f"  {r['mode']:<9} {r['state']:<10} {r['save']:<6} growth "
+            f"{r['growth_bytes'] / mib:7.1f} MiB  bound {r['bound_bytes'] / mib:7.1f} MiB  "
+            f"{verdict}{err}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 if per_rank is None:
                     summary: dict[str, Any] = {"error": failures.get(scn.name, "no results")}
                 else:
-                    summary = summarize_scenario(scn.kind, per_rank)
+                    summary = summarize_scenario(scn.kind, per_rank, scn.to_json())
                     raw[scn.name] = per_rank
                 results["scenarios"].append(
                     {

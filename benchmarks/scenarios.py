@@ -21,6 +21,7 @@ and compared bit for bit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import traceback
@@ -78,6 +79,10 @@ class Scenario:
     ckpt_every: int = 1
     iters: int = 12
     warmup: int = 2
+    mlp_preset: str = "large"  # kind "mlp"
+    memory_bytes: int = 0  # kind "memory": size of the mixed state
+    memory_states: str = "mixed,bigtensor"  # kind "memory": comma list
+    memory_parallel: int = 1  # kind "memory": rows measured at once (VmHWM is per process)
     description: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -490,9 +495,97 @@ def _training_run(
     return run
 
 
+# ---------------------------------------------------------------------------------------
+# mlp-loop: one fresh process per contender run
+# ---------------------------------------------------------------------------------------
+MLP_CHILD_TIMEOUT_S = 900.0
+
+
+def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
+    """Rounds of every contender (order rotated per round), each run in its own process."""
+    from benchmarks.mlp_loop import NONE, MLPRunSpec, mlp_config, run_in_child
+
+    if env.world_size != 1:
+        raise ValueError("mlp-loop runs on one rank")
+    cfg = mlp_config(scn.mlp_preset)
+    threads = opts.torch_threads or (os.cpu_count() or 1)
+    out: dict[str, Any] = {
+        "rank": env.rank,
+        "mlp": asdict(cfg),
+        "params": cfg.param_count(),
+        "threads": threads,
+        "contenders": {NONE: _contender_header(NONE, None, None)},
+    }
+    out["contenders"][NONE]["label"] = "no checkpointing"
+    active = [NONE]
+    for name in scn.contenders:
+        c = make_contender(name)
+        skip = c.skip_reason(env.device)
+        out["contenders"][name] = _contender_header(name, c, skip)
+        if skip is None:
+            active.append(name)
+    base = os.path.join(opts.root, scn.name)
+    os.makedirs(base, exist_ok=True)
+    for rep in range(scn.repeats):
+        for name in _rotate(active, rep):
+            spec = MLPRunSpec(
+                contender=name,
+                preset=scn.mlp_preset,
+                iters=scn.iters,
+                ckpt_every=scn.ckpt_every,
+                warmup=scn.warmup,
+                threads=threads,
+                run_dir=os.path.join(base, name, f"rep{rep}"),
+                host_cache=opts.host_cache,
+                fs_threads=opts.fs_threads,
+                max_in_flight=opts.max_in_flight,
+                ds_options=dict(opts.ds_options),
+                verify_first=rep == 0 and name != NONE,
+                rep=rep,
+            )
+            print(f"   {scn.name} round {rep}: {name}", flush=True)
+            run = run_in_child(
+                spec, os.path.join(base, f"{name}.rep{rep}.json"), MLP_CHILD_TIMEOUT_S
+            )
+            _record(out, name, run)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# memory: one fresh process per row
+# ---------------------------------------------------------------------------------------
+def run_memory(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
+    """Every capture mode on every state, each in its own process (see benchmarks.memory)."""
+    from benchmarks.memory import MODES, SLACK_BYTES, MemoryRow, run_row
+
+    states = [s for s in scn.memory_states.split(",") if s]
+    frac = scn.cache_fraction if scn.cache_fraction is not None else 0.125
+    todo = [
+        MemoryRow(m, st, scn.memory_bytes, frac, timeout_s=300.0) for st in states for m in MODES
+    ]
+
+    def one(row: MemoryRow) -> dict[str, Any]:
+        print(f"   {scn.name}: {row.name}", flush=True)
+        try:
+            return run_row(
+                row, os.path.join(opts.root, scn.name, row.mode.replace(".", "_"), row.state)
+            )
+        except RuntimeError as e:
+            return {"row": asdict(row), "name": row.name, "saves": [], "error": str(e)}
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, scn.memory_parallel)) as pool:
+        rows = list(pool.map(one, todo))
+    _rmtree(os.path.join(opts.root, scn.name))
+    return {"rank": env.rank, "slack_bytes": SLACK_BYTES, "rows": rows}
+
+
 def run_scenario(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
     if scn.kind == "synthetic":
         return run_synthetic(scn, opts, env)
     if scn.kind == "training":
         return run_training(scn, opts, env)
+    if scn.kind == "mlp":
+        return run_mlp_loop(scn, opts, env)
+    if scn.kind == "memory":
+        return run_memory(scn, opts, env)
     raise ValueError(f"unknown scenario kind {scn.kind!r}")

@@ -259,10 +259,164 @@ def _timeline(run: dict[str, Any]) -> dict[str, Any]:
     return {"iters": iters, "saves": saves, "telemetry": telemetry}
 
 
-def summarize_scenario(kind: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def _after_save_times(run: dict[str, Any], k: int) -> tuple[list[float], list[float]]:
+    """(forward, backward) seconds of the iterations right after a save (it % k == 0, it > 0)."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i, it in enumerate(run.get("iters", [])):
+        if i > 0 and i % k == 0:
+            fwd.append(it[1] - it[0])
+            bwd.append(it[2] - it[1])
+    return fwd, bwd
+
+
+def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, Any]:
+    """Cost per checkpoint, paired with the `none` run of the same round, medians over rounds."""
+    from benchmarks.mlp_loop import NONE
+
+    r0 = per_rank[0]
+    base_runs = {run["rep"]: run for run in r0["contenders"][NONE]["runs"] if "loop_s" in run}
+    base_iter_fb = [it[2] - it[0] for run in base_runs.values() for it in run.get("iters", [])]
+    out: dict[str, Any] = {
+        "mlp": r0["mlp"],
+        "params": r0["params"],
+        "threads": r0["threads"],
+        "ckpt_every": ckpt_every,
+        "baseline_loop_s": summarize(run["loop_s"] for run in base_runs.values()),
+        "baseline_fwd_bwd_s": summarize(base_iter_fb),
+        "baseline_vmhwm_gb": summarize(
+            run["vmhwm"] / GB for run in base_runs.values() if run.get("vmhwm") is not None
+        ),
+        "baseline_errors": [
+            run["error"] for run in r0["contenders"][NONE]["runs"] if run.get("error")
+        ],
+        "contenders": {},
+        "timeline": {},
+    }
+    for name, entry in r0["contenders"].items():
+        if name == NONE:
+            continue
+        status, reason, errors = _status(per_rank, name)
+        runs = [run for run in entry["runs"]]
+        saves = [s for run in runs for s in run.get("saves", [])]
+        costs = []
+        for run in runs:
+            base = base_runs.get(run["rep"])
+            n = len(run.get("saves", []))
+            if base is not None and "loop_s" in run and n:
+                costs.append((run["loop_s"] - base["loop_s"]) / n)
+        fwd: list[float] = []
+        bwd: list[float] = []
+        for run in runs:
+            f, b = _after_save_times(run, ckpt_every)
+            fwd += f
+            bwd += b
+        verified = [v["ok"] for run in runs for v in run.get("verify", [])]
+        if any(run.get("error") for run in runs):
+            verified.append(False)
+        out["contenders"][name] = {
+            "label": entry["label"],
+            "format": entry["format"],
+            "loader": entry["loader"],
+            "asynchronous": entry["asynchronous"],
+            "status": status,
+            "skip_reason": reason,
+            "errors": errors[:3],
+            "bytes": next((run["bytes"] for run in runs if run.get("bytes")), None),
+            "checkpoints": max((len(run.get("saves", [])) for run in runs), default=0),
+            "cost_per_ckpt_s": summarize(costs),
+            "loop_s": summarize(run["loop_s"] for run in runs if "loop_s" in run),
+            "drain_s": summarize(run["drain_s"] for run in runs if "drain_s" in run),
+            "blocked_s": summarize(s["blocked_s"] for s in saves),
+            "call_s": summarize(s["call_s"] for s in saves),
+            "wait_s": summarize(s["wait_s"] for s in saves),
+            "durable_s": summarize(s["durable_s"] for s in saves),
+            "capture_s": summarize(s.get("capture_s") for s in saves),
+            "fwd_after_save_s": summarize(fwd),
+            "bwd_after_save_s": summarize(bwd),
+            "fwd_bwd_after_save_s": summarize(f + b for f, b in zip(fwd, bwd, strict=True)),
+            "vmhwm_gb": summarize(
+                run["vmhwm"] / GB for run in runs if run.get("vmhwm") is not None
+            ),
+            "vmhwm_extra_gb": summarize(
+                (run["vmhwm"] - run["rss_before_loop"]) / GB
+                for run in runs
+                if run.get("vmhwm") is not None and run.get("rss_before_loop") is not None
+            ),
+            "host_cache_bytes": next(
+                (run["host_cache_bytes"] for run in runs if run.get("host_cache_bytes")), None
+            ),
+            "verified": bool(verified) and all(verified),
+            "verify_runs": len(verified),
+            "verified_first_by_replay": any(
+                v.get("replayed") and v["ok"] for run in runs for v in run.get("verify", [])
+            ),
+        }
+        first = next((run for run in runs if "t_loop0" in run), None)
+        if first is not None:
+            out["timeline"][name] = _timeline(first)
+    base_first = next(iter(base_runs.values()), None)
+    if base_first is not None:
+        out["timeline"][NONE] = _timeline(base_first)
+    ours = out["contenders"].get("ds_plain", {}).get("cost_per_ckpt_s")
+    out["ratios"] = {
+        f"ds_plain/{other}": _ratio(
+            ours["median"] if ours else None,
+            (out["contenders"].get(other, {}).get("cost_per_ckpt_s") or {}).get("median"),
+        )
+        for other in ("dcp_fs_t2", "dcp_default_stager", "dcp_async")
+        if other in out["contenders"]
+    }
+    return out
+
+
+def summarize_memory(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table row per (mode, state, save): growth against the bound, bit-exactness."""
+    r0 = per_rank[0]
+    rows: list[dict[str, Any]] = []
+    for res in r0["rows"]:
+        row = res["row"]
+        if not res.get("saves"):
+            rows.append(
+                {"mode": row["mode"], "state": row["state"], "save": "-", "error": res["error"]}
+            )
+            continue
+        for s in res["saves"]:
+            v = s.get("verify")
+            rows.append(
+                {
+                    "mode": row["mode"],
+                    "state": row["state"],
+                    "save": s["save"],
+                    "state_bytes": res.get("state_bytes"),
+                    "cache_bytes": res["cache_bytes"],
+                    "bound_bytes": res["bound_bytes"],
+                    "growth_bytes": s["growth"],
+                    "growth_vs_save_bytes": s["growth_vs_save"],
+                    "within_bound": s["within_bound"],
+                    "call_s": s.get("call_s"),
+                    "durable_s": s.get("durable_s"),
+                    "bit_exact": None if v is None else v["ok"],
+                    "error": s.get("error") or res.get("error"),
+                }
+            )
+    return {
+        "slack_bytes": r0["slack_bytes"],
+        "rows": rows,
+        "all_within_bound": bool(rows) and all(r.get("within_bound") for r in rows),
+    }
+
+
+def summarize_scenario(
+    kind: str, per_rank: list[dict[str, Any]], scenario: dict[str, Any] | None = None
+) -> dict[str, Any]:
     errors = [r["error"] for r in per_rank if "error" in r and "contenders" not in r]
     if errors:
         return {"error": errors[0]}
     if kind == "synthetic":
         return summarize_synthetic(per_rank)
+    if kind == "mlp":
+        return summarize_mlp(per_rank, int((scenario or {}).get("ckpt_every", 1)))
+    if kind == "memory":
+        return summarize_memory(per_rank)
     return summarize_training(per_rank)

@@ -11,7 +11,6 @@ skipped with a reason instead of failing.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,10 @@ CONTENDERS = {
     "ds_save",
     "ds_async",
     "ds_async_lazy",
+    "ds_plain",
 }
+MLP_CONTENDERS = {"ds_plain", "dcp_fs_t2", "dcp_default_stager"}
+DS_NAMES = ("ds_save", "ds_async", "ds_async_lazy", "ds_plain")
 
 
 def _strict_json(path: Path) -> Any:
@@ -47,20 +49,18 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("psutil")
     base = tmp_path_factory.mktemp("bench")
     out = base / "out"
+    # run as a script from outside the repository: the script appends the repository to
+    # sys.path, so the installed dcp_datastates (with its compiled engine) is the one imported
     cmd = [
         sys.executable,
-        "-m",
-        "benchmarks.run",
+        str(ROOT / "benchmarks" / "run.py"),
         "--quick",
         "--out",
         str(out),
         "--dir",
         str(base / "ckpt"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    proc = subprocess.run(cmd, cwd=base, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     (base / "stdout.txt").write_text(proc.stdout)
     return base
@@ -74,7 +74,7 @@ def test_outputs_well_formed(quick_run: Path) -> None:
     assert results["meta"]["machine"]["torch"]
     names = [s["name"] for s in results["scenarios"]]
     kinds = {s["kind"] for s in results["scenarios"]}
-    assert kinds == {"synthetic", "training"}
+    assert kinds == {"synthetic", "training", "mlp", "memory"}
     assert any(s["scenario"]["world_size"] == 2 for s in results["scenarios"])
     assert any(s["scenario"]["cache_fraction"] for s in results["scenarios"])
     assert any(
@@ -85,7 +85,7 @@ def test_outputs_well_formed(quick_run: Path) -> None:
         assert scn["name"] in raw
         assert f"## {scn['name']}" in md
         section = md.split(f"## {scn['name']}", 1)[1]
-        assert "| contender |" in section
+        assert ("| mode |" if scn["kind"] == "memory" else "| contender |") in section
     assert len(names) == len(set(names))
 
 
@@ -95,7 +95,7 @@ def test_plots_are_pngs(quick_run: Path) -> None:
     out = quick_run / "out"
     results = _strict_json(out / "results.json")
     pngs = [p for group in results["meta"]["plots"].values() for p in group]
-    assert "blocked.png" in pngs and "slowdown.png" in pngs
+    assert "blocked.png" in pngs and "slowdown.png" in pngs and "mlp_cost.png" in pngs
     assert any(p.startswith("timeline_") for p in pngs)
     for name in pngs:
         path = out / name
@@ -111,6 +111,8 @@ def test_every_contender_loads_back_bit_exact(quick_run: Path) -> None:
     results = _strict_json(quick_run / "out" / "results.json")
     seen: set[str] = set()
     for scn in results["scenarios"]:
+        if scn["kind"] == "memory":
+            continue  # rows, not contenders: see test_memory_scenario_table
         contenders = scn["summary"]["contenders"]
         assert set(scn["scenario"]["contenders"]) <= set(contenders)
         for name, c in contenders.items():
@@ -118,7 +120,7 @@ def test_every_contender_loads_back_bit_exact(quick_run: Path) -> None:
             assert c["status"] in ("ok", "skipped"), f"{scn['name']}/{name}: {c['errors']}"
             if c["status"] == "skipped":
                 assert c["skip_reason"], f"{scn['name']}/{name} skipped without a reason"
-                assert name in ("torchsnapshot", "ds_save", "ds_async", "ds_async_lazy"), name
+                assert name == "torchsnapshot" or name in DS_NAMES, name
                 continue
             assert c["verified"] and c["verify_runs"] >= 1, f"{scn['name']}/{name}"
             assert c["blocked_s"] is not None and c["durable_s"] is not None
@@ -126,7 +128,72 @@ def test_every_contender_loads_back_bit_exact(quick_run: Path) -> None:
                 assert c["loader"] == "dcp.load"
             if scn["kind"] == "training":
                 assert c["slowdown_pct"] is not None
-    assert seen >= CONTENDERS
+                assert c["slowdown_until_durable_pct"] is not None  # end to end
+    assert seen >= CONTENDERS | MLP_CONTENDERS
+
+
+def _scenario(results: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(s for s in results["scenarios"] if s["name"] == name)
+
+
+def test_gpt_k1_runs_the_plain_call(quick_run: Path) -> None:
+    results = _strict_json(quick_run / "out" / "results.json")
+    scn = next(
+        s
+        for s in results["scenarios"]
+        if s["kind"] == "training" and s["scenario"]["ckpt_every"] == 1
+    )
+    assert "ds_plain" in scn["summary"]["contenders"]
+    assert "ds_async" in scn["summary"]["contenders"]  # the explicit-protect variant stays
+
+
+def test_mlp_loop_reports_cost_per_checkpoint(quick_run: Path) -> None:
+    out = quick_run / "out"
+    results = _strict_json(out / "results.json")
+    scn = _scenario(results, "mlp-loop")
+    s = scn["summary"]
+    assert s["baseline_loop_s"] is not None and not s["baseline_errors"]
+    n_ckpt = scn["scenario"]["iters"] // scn["scenario"]["ckpt_every"]
+    assert set(s["contenders"]) == MLP_CONTENDERS
+    for name, c in s["contenders"].items():
+        if c["status"] == "skipped":
+            assert name in DS_NAMES, name
+            continue
+        assert c["status"] == "ok", (name, c["errors"])
+        assert c["checkpoints"] == n_ckpt, name
+        for key in (
+            "cost_per_ckpt_s",
+            "blocked_s",
+            "durable_s",
+            "fwd_after_save_s",
+            "bwd_after_save_s",
+            "vmhwm_gb",
+        ):
+            assert c[key] is not None, (name, key)
+        assert c["verified"] and c["verified_first_by_replay"], name
+    if s["contenders"]["ds_plain"]["status"] == "ok":
+        assert set(s["ratios"]) == {"ds_plain/dcp_fs_t2", "ds_plain/dcp_default_stager"}
+        assert all(v is not None for v in s["ratios"].values())
+        assert "ds_plain/dcp_fs_t2 = " in (out / "results.md").read_text()
+    assert "cost per checkpoint ds_plain/dcp_fs_t2" in (quick_run / "stdout.txt").read_text()
+
+
+def test_memory_scenario_table(quick_run: Path) -> None:
+    results = _strict_json(quick_run / "out" / "results.json")
+    s = _scenario(results, "memory")["summary"]
+    rows = s["rows"]
+    # every mode, first and later save (the quick run measures the mixed state only)
+    got = {(r["mode"], r["save"]) for r in rows}
+    assert got == {
+        (m, v) for m in ("dcp.save", "auto", "lazy", "eager") for v in ("first", "later")
+    }
+    for r in rows:
+        assert "growth_bytes" in r, r
+        assert r["bound_bytes"] == r["cache_bytes"] + s["slack_bytes"]
+        assert r["within_bound"] == (r["growth_bytes"] <= r["bound_bytes"])
+        assert r["error"] is None and r["bit_exact"], r
+    md = (quick_run / "out" / "results.md").read_text()
+    assert "| `lazy` | mixed | later |" in md
 
 
 def test_checkpoints_are_cleaned_up(quick_run: Path) -> None:
