@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "crc32c.hpp"
 #include "error.hpp"
@@ -30,7 +31,8 @@ std::size_t clamp_chunk(const EngineOptions& o) {
 }  // namespace
 
 Engine::Engine(const EngineOptions& options)
-    : options_(options),
+    : owner_pid_(::getpid()),
+      options_(options),
       chunk_bytes_(clamp_chunk(options)),
       align_(options.o_direct ? PosixFile::kDirectAlign : 64),
       cuda_(nullptr),
@@ -55,6 +57,10 @@ Engine::Engine(const EngineOptions& options)
 }
 
 Engine::~Engine() {
+  if (!is_owner()) {
+    abandon_in_child();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -64,6 +70,36 @@ Engine::~Engine() {
   state_cv_.notify_all();
   ring_.shutdown();
   for (auto& t : threads_) t.join();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fork safety
+
+bool Engine::is_owner() const { return ::getpid() == owner_pid_; }
+
+void Engine::check_owner() const {
+  if (!is_owner())
+    throw EngineError("this engine belongs to process " + std::to_string(owner_pid_) +
+                      "; a forked child (process " + std::to_string(::getpid()) +
+                      ") cannot use it: create a new writer in the child");
+}
+
+void Engine::abandon_in_child() noexcept {
+  // In a forked child only the forking thread exists: the worker threads, and any lock or
+  // condition-variable waiter they had at the fork, are copies of the parent's. Joining them,
+  // destroying a condition variable that lists their waits (glibc waits for those waiters), or
+  // unregistering pinned memory through CUDA would hang or crash. Everything that could do so is
+  // leaked (the child's copy of the memory is freed when it exits); the members destroyed after
+  // this are fresh, empty objects.
+  new std::vector<std::thread>(std::move(threads_));
+  new std::map<std::uint64_t, std::unique_ptr<Job>>(std::move(jobs_));
+  new HostCache(std::move(cache_));
+  (void)cuda_.release();
+  const std::size_t capacity = ring_.capacity();
+  new (&ring_) RingAllocator(capacity);
+  new (&work_cv_) std::condition_variable();
+  new (&state_cv_) std::condition_variable();
+  new (&mu_) std::mutex();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -149,6 +185,7 @@ void Engine::enqueue_flush_locked(const FlushTask& t) {
 // Stage 1: register
 
 std::uint64_t Engine::create_job(const std::string& label) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   DCPDS_CHECK(!stop_, "the engine is closed");
   const std::uint64_t id = next_job_++;
@@ -163,6 +200,7 @@ std::uint64_t Engine::create_job(const std::string& label) {
 std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, std::uintptr_t src,
                                 std::size_t bytes, int device, std::uintptr_t ready_event,
                                 bool direct) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -190,6 +228,7 @@ std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, s
 }
 
 void Engine::start_copies(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -227,6 +266,7 @@ void Engine::start_copies(std::uint64_t job_id) {
 }
 
 bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::vector<std::size_t> offsets;
   std::vector<std::pair<std::size_t, std::size_t>> spans;  // (entry offset, bytes)
   const std::uint8_t* src;
@@ -276,6 +316,7 @@ bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry) {
 }
 
 void Engine::retarget(std::uint64_t job_id, std::uint32_t entry, std::uintptr_t src, bool direct) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -423,6 +464,7 @@ void Engine::copy_loop(int /*index*/) {
 // Stage 3: place
 
 std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path) {
+  check_owner();
   {
     std::lock_guard<std::mutex> lock(mu_);
     check_failed_locked(job_locked(job_id));
@@ -437,6 +479,7 @@ std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path) {
 void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
                    std::uint64_t payload_offset, const std::string& header,
                    const std::string& trailer) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -468,6 +511,7 @@ void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
 }
 
 void Engine::place_external(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -478,6 +522,7 @@ void Engine::place_external(std::uint64_t job_id, std::uint32_t entry) {
 }
 
 void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -492,6 +537,7 @@ void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
 
 void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t offset,
                          const std::string& data) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -505,6 +551,7 @@ void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t 
 }
 
 void Engine::seal(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -521,6 +568,12 @@ void Engine::seal(std::uint64_t job_id) {
     }
   }
   job.sealed = true;
+  // A job with nothing left to copy is captured once sealed: also one that never had an entry
+  // queued (a dcp.save whose plan has no tensor item on this rank), which start_copies never saw.
+  if (job.uncaptured == 0 && !job.captured) {
+    job.captured = true;
+    job.stats.captured_s = now_s();
+  }
   maybe_finalize_locked(job);
   state_cv_.notify_all();
 }
@@ -529,6 +582,7 @@ void Engine::seal(std::uint64_t job_id) {
 // External consumers
 
 std::uint32_t Engine::chunk_count(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -537,6 +591,7 @@ std::uint32_t Engine::chunk_count(std::uint64_t job_id, std::uint32_t entry) {
 
 std::pair<std::size_t, std::size_t> Engine::wait_chunk(std::uint64_t job_id, std::uint32_t entry,
                                                        std::uint32_t chunk) {
+  check_owner();
   std::unique_lock<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
@@ -556,6 +611,7 @@ std::pair<std::size_t, std::size_t> Engine::wait_chunk(std::uint64_t job_id, std
 }
 
 void Engine::release_chunk(std::uint64_t job_id, std::uint32_t entry, std::uint32_t chunk) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
@@ -713,6 +769,7 @@ void Engine::flush_loop(int /*index*/) {
 // Waiting and results
 
 bool Engine::wait_job(std::uint64_t job_id, double timeout_s, bool until_done) {
+  check_owner();
   std::unique_lock<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   auto ready = [&] { return until_done ? job.done : (job.failed.load() || job.captured); };
@@ -734,17 +791,20 @@ bool Engine::wait_done(std::uint64_t job_id, double timeout_s) {
 }
 
 bool Engine::is_captured(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   const Job& job = job_locked(job_id);
   return job.captured || job.failed.load();
 }
 
 bool Engine::is_done(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   return job_locked(job_id).done;
 }
 
 void Engine::abort(std::uint64_t job_id, const std::string& reason) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
@@ -752,6 +812,7 @@ void Engine::abort(std::uint64_t job_id, const std::string& reason) {
 }
 
 void Engine::forget(std::uint64_t job_id) {
+  check_owner();
   std::unique_lock<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
@@ -763,6 +824,7 @@ void Engine::forget(std::uint64_t job_id) {
 }
 
 std::vector<ChunkRecord> Engine::chunk_records(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   const Job& job = job_locked(job_id);
   std::vector<ChunkRecord> out;
@@ -780,11 +842,13 @@ std::vector<ChunkRecord> Engine::chunk_records(std::uint64_t job_id) {
 }
 
 JobStats Engine::stats(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   return job_locked(job_id).stats;
 }
 
 EngineCounters Engine::counters() {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   std::size_t files = 0;
   for (auto& kv : jobs_)
@@ -794,6 +858,7 @@ EngineCounters Engine::counters() {
 }
 
 void Engine::enable_cuda(const std::string& runtime_path) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   if (cuda_ != nullptr) return;
   auto rt = std::make_unique<CudaRuntime>(runtime_path);
@@ -802,6 +867,7 @@ void Engine::enable_cuda(const std::string& runtime_path) {
 }
 
 void Engine::pause_copies(bool paused) {
+  check_owner();
   {
     std::lock_guard<std::mutex> lock(mu_);
     paused_ = paused;
@@ -810,6 +876,7 @@ void Engine::pause_copies(bool paused) {
 }
 
 void Engine::set_delays(int copy_delay_us_max, int flush_delay_us_max, std::uint64_t seed) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   copy_delay_us_ = copy_delay_us_max;
   flush_delay_us_ = flush_delay_us_max;
