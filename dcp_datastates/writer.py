@@ -245,7 +245,11 @@ def _staged_collected(
         return
     w = writer_ref()
     if w is not None:
-        w._release_job(job, "its staged state dict was discarded before any save used it")
+        logger.warning(
+            "a staged state dict was discarded before any save used it; its copies are dropped"
+        )
+        w._release_job(job, "its staged state dict was discarded before any save used it",
+                       quiet=True)
 
 
 def _describe_cause(cause: BaseException) -> str:
@@ -609,11 +613,18 @@ class DataStatesWriter(StorageWriter):
             if job in self._unreported:
                 self._unreported.remove(job)
 
-    def _release_job(self, job: SaveJob, why: str, cause: BaseException | None = None) -> None:
-        """Ends a staged job's protocol: fails it if its data was never written, drops it."""
+    def _release_job(
+        self, job: SaveJob, why: str, cause: BaseException | None = None, quiet: bool = False
+    ) -> None:
+        """Ends a staged job's protocol: fails it if its data was never written, drops it.
+
+        ``quiet``: nobody is waiting for that save's outcome; the barrier does not raise it.
+        """
         with self._lock:
             if job.protocol_done:
                 return
+            if quiet:
+                job.error_reported = True
             job.protocol_done = True  # its DCP protocol (collectives included) is over
             if job.thread is not None and self._thread_jobs.get(job.thread) is job:
                 del self._thread_jobs[job.thread]
