@@ -318,7 +318,7 @@ def test_child_cannot_use_an_inherited_writer_and_exits_cleanly(tmp_path: Any) -
 
 def test_dataloader_fork_loop_during_async_saves(tmp_path: Any) -> None:
     out = run_script(f"""
-        import torch, torch.distributed.checkpoint as dcp, warnings
+        import os, torch, torch.distributed.checkpoint as dcp, warnings
         warnings.simplefilter("ignore")
         from torch.utils.data import DataLoader, TensorDataset
         from dcp_datastates import DataStatesWriter
@@ -329,11 +329,24 @@ def test_dataloader_fork_loop_during_async_saves(tmp_path: Any) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         w.protect(opt)
         data = TensorDataset(torch.randn(64, 256))
+        parent = os.getpid()
+
+        def worker_init(_: int) -> None:
+            # Code in a worker touching the inherited writer (a `with writer:` block, an atexit
+            # hook) must neither hang nor act on the parent's saves.
+            w.close()
+            try:
+                w.wait_captured()
+            except RuntimeError as e:
+                assert str(parent) in str(e), e
+            else:
+                raise AssertionError("a forked worker used the parent's writer")
+
         futs = []
         for epoch in range(4):
             futs.append(dcp.async_save({{"model": model.state_dict(), "epoch": epoch}},
                                        storage_writer=w, checkpoint_id=f"{{root}}/e{{epoch}}"))
-            loader = DataLoader(data, batch_size=16, num_workers=2,
+            loader = DataLoader(data, batch_size=16, num_workers=2, worker_init_fn=worker_init,
                                 multiprocessing_context="fork", timeout=60)
             for (x,) in loader:
                 model(x).sum().backward()
