@@ -10,7 +10,6 @@ from typing import Literal
 CaptureMode = Literal["auto", "owned", "lazy", "eager"]
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "k": 1000,
     "kb": 1000,
@@ -31,9 +30,10 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\
 def parse_size(value: int | float | str, *, default_unit: int = 1024**3, what: str = "size") -> int:
     """Returns a byte count.
 
-    Numbers are in ``default_unit`` (GiB by default, as in the DataStates ``host_cache_size``
-    setting); strings may carry a unit: ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"4096"`` (bytes
-    when a string has no unit). Raises ValueError naming ``what`` for anything else.
+    A bare number is in ``default_unit`` (GiB by default, as in the DataStates
+    ``host_cache_size`` setting) in every form: ``16``, ``0.5`` and ``"16"`` all mean GiB. A
+    string may carry a unit instead: ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"4096B"``. Raises
+    ValueError naming ``what`` for anything else.
     """
     if isinstance(value, bool):
         raise TypeError(f"{what} must be a number or a size string, not {value!r}")
@@ -43,9 +43,10 @@ def parse_size(value: int | float | str, *, default_unit: int = 1024**3, what: s
         nbytes = int(value * default_unit)
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
-        if not m or m.group(2).lower() not in _UNITS:
+        if not m or (m.group(2) and m.group(2).lower() not in _UNITS):
             raise ValueError(f"{what}: cannot parse {value!r} (examples: 16, '512MiB', '2GiB')")
-        nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        unit = m.group(2).lower()
+        nbytes = int(float(m.group(1)) * (_UNITS[unit] if unit else default_unit))
     else:
         raise TypeError(f"{what} must be a number or a size string, not {type(value).__name__}")
     if nbytes <= 0:

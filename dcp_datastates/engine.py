@@ -7,7 +7,10 @@ writer drives it. Contracts (see csrc/engine/engine.hpp for the full list):
 * threads: the native threads never call Python; every blocking call here releases the GIL;
 * lifetimes: a source address handed to :meth:`add_entry` must stay valid until the job is
   captured; :meth:`cache_view` is invalid after :meth:`close`;
-* failures: the first error of a job is latched; :meth:`wait_captured` / :meth:`wait_done` raise it.
+* failures: the first error of a job is latched; :meth:`wait_captured` / :meth:`wait_done` raise it;
+* fork: the engine belongs to the process that created it (:attr:`owner_pid`). In a forked child
+  every call raises CheckpointSaveError naming that process, and :meth:`close` (or garbage
+  collection) leaks the native engine instead of joining threads that exist only in the parent.
 """
 
 from __future__ import annotations
@@ -81,8 +84,16 @@ class Engine:
     def closed(self) -> bool:
         return bool(self._core.closed)
 
+    @property
+    def owner_pid(self) -> int:
+        """The process that created the engine; only that process can use it."""
+        return int(self._core.owner_pid)
+
     def close(self) -> None:
-        """Aborts unfinished jobs, joins the threads and frees the host cache. Idempotent."""
+        """Aborts unfinished jobs, joins the threads and frees the host cache. Idempotent.
+
+        In a forked child it only drops this process's handle (nothing is joined or freed).
+        """
         self._core.close()
 
     def enable_cuda(self) -> None:
@@ -208,7 +219,8 @@ class Engine:
         return dict(self._core.stats(job))
 
     def counters(self) -> dict[str, int]:
-        return dict(self._core.counters())
+        with translate_errors("cannot read the engine counters"):
+            return dict(self._core.counters())
 
     # -- test hooks ------------------------------------------------------------------------
     def pause_copies(self, paused: bool) -> None:

@@ -34,16 +34,38 @@ Threads: stage/protect/wait_captured run in the training thread; the DCP protoco
 whatever thread runs the save (one per async_save); several saves may be in flight on one writer
 (their protocol state lives in a thread-local context). Native copy/flush threads never call Python.
 Failures: a failed save raises CheckpointSaveError from write_data (hence on the save's future as
-DCP's CheckpointException) and once more at the next barrier or save; nothing is committed for it
-and its cache space is returned.
+DCP's CheckpointException); nothing is committed for it and its cache space is returned. Each error
+is reported once per channel: always on the save's future, then once at the next barrier
+(``wait_captured``, the step pre-hook, ``synchronize_staging``) unless the caller already read it
+from the future (``result()``/``exception()``) or from ``dcp.save``. A later save is never refused
+because an earlier one failed.
+
+Lifecycle of a staged job (it must never be left behind, or later saves, ``wait`` and ``close``
+would wait on it forever):
+
+* ``stage`` creates it and returns a :class:`_StagedStateDict`;
+* the first iteration of that dict in another thread (DCP's save thread) *binds* the job to that
+  thread; the save's ``concurrent.futures.Future`` is found then (the executor's work item);
+* the save's protocol is over when that future completes, or when the bound thread exits, or when
+  another save binds the same thread; then the job is released: failed if its data was never
+  written (any failure before ``write_data``: planner set-up, bad arguments, refusals, on any
+  rank), and dropped;
+* a staged dict collected without ever being bound (no save ran it) releases its job too.
+
+Fork: a writer belongs to the process that created it. In a forked child (DataLoader workers)
+finalizers do nothing, ``close()`` only marks it closed (nothing is joined or freed), and every
+other use raises RuntimeError naming the owner process. ``AsyncCheckpointerType.PROCESS`` is
+refused by ``stage`` (the host cache and threads cannot move to another process).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -66,7 +88,7 @@ from torch.futures import Future
 
 from . import _core, barrier
 from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
-from .commit import CheckpointDir, claim_and_prepare, manifest_name, release_path
+from .commit import METADATA_FILE, CheckpointDir, claim_and_prepare, manifest_name, release_path
 from .config import CaptureMode, WriterConfig, parse_size
 from .engine import Engine, engine_time_to_perf
 from .errors import CheckpointSaveError
@@ -94,6 +116,7 @@ class _Context:
     save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     job: SaveJob | None = None  # the staged job this save thread carries (None: dcp.save)
     path_key: str | None = None  # set while this context holds the path claim
+    meta_taken: bool = False  # storage_meta() ran: the next storage_meta() begins a new save
     finished: bool = False  # finish() ran (coordinator) or the context ended
     ended: bool = False
 
@@ -105,6 +128,151 @@ class _ContextHolder:
         self.ctx = ctx
 
 
+class _Binding:
+    """Lives in a save thread's thread-local storage while that thread carries a staged job.
+
+    Its finalizer (thread exit, or replacement by the next job bound to the same thread)
+    releases the job: the thread's DCP protocol is over.
+    """
+
+    def __init__(self, job: SaveJob) -> None:
+        self.job = job
+
+
+def _end_context_cb(writer_ref: weakref.ref[DataStatesWriter], ctx: _Context, pid: int) -> None:
+    """Finalizer of a _ContextHolder. Holds the writer weakly, so the writer can be collected."""
+    if os.getpid() != pid:
+        return  # a forked child: the context belongs to a parent thread
+    w = writer_ref()
+    if w is not None:
+        w._end_context(ctx)
+    elif ctx.path_key is not None:
+        release_path(ctx.path_key)
+        ctx.path_key = None
+
+
+def _release_cb(
+    writer_ref: weakref.ref[DataStatesWriter], job: SaveJob, pid: int, why: str,
+    cause: BaseException | None = None,
+) -> None:
+    """Finalizer/callback that ends a staged job's protocol (never in a forked child)."""
+    if os.getpid() != pid:
+        return
+    w = writer_ref()
+    if w is not None:
+        w._release_job(job, why, cause)
+
+
+def _future_exception(fut: concurrent.futures.Future[Any]) -> BaseException | None:
+    """The exception of a done future, read without marking it seen."""
+    if fut.cancelled():
+        return concurrent.futures.CancelledError("the save was cancelled")
+    return concurrent.futures.Future.exception(fut, timeout=0)
+
+
+class _SeenTrackingFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """The class a save's executor future is switched to: it notes ``exception()`` reads.
+
+    An error returned by ``exception()`` is not raised again at the next barrier. (An error
+    raised by ``result()`` is recognised from its traceback instead, see _raised_by_result, as
+    ``result()`` may already be waiting when the switch happens.) Otherwise the base class.
+    """
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = super().exception(timeout)
+        if exc is not None:
+            cb = self.__dict__.get("_dcpds_on_seen")
+            if cb is not None:
+                cb()
+        return exc
+
+
+_FUTURES_BASE = os.path.join("concurrent", "futures", "_base.py")
+
+
+def _raised_by_result(exc: BaseException | None) -> bool:
+    """True if ``exc`` was raised to a caller by ``concurrent.futures.Future.result()``.
+
+    Raising an exception again prepends the raising frames to its traceback, so a future's
+    exception that went through ``result()`` carries that frame; one never read does not.
+    """
+    tb = exc.__traceback__ if exc is not None else None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in ("result", "__get_result") and code.co_filename.endswith(_FUTURES_BASE):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _current_executor_future() -> concurrent.futures.Future[Any] | None:
+    """The future of the ``concurrent.futures`` work item running in this thread, if any.
+
+    DCP's thread executor runs each save as a work item whose frame (``_WorkItem.run``) holds
+    the future that ``async_save`` returned. None when the save runs any other way.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "run":
+            fut = getattr(frame.f_locals.get("self"), "future", None)
+            if isinstance(fut, concurrent.futures.Future):
+                return fut
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _async_save_uses_process_executor() -> bool:
+    """True when stage() is being called by ``dcp.async_save(..., PROCESS)``."""
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "async_save":
+            kind = frame.f_locals.get("async_checkpointer_type")
+            return bool(kind == AsyncCheckpointerType.PROCESS)
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _staged_collected(
+    writer_ref: weakref.ref[DataStatesWriter], job: SaveJob, pid: int
+) -> None:
+    """Finalizer of a _StagedStateDict: a job no save thread ever bound is released."""
+    if os.getpid() != pid or job.thread is not None:
+        return
+    w = writer_ref()
+    if w is not None:
+        logger.warning(
+            "a staged state dict was discarded before any save used it; its copies are dropped"
+        )
+        w._release_job(job, "its staged state dict was discarded before any save used it",
+                       quiet=True)
+
+
+def _describe_cause(cause: BaseException) -> str:
+    """One line naming an exception; for DCP's CheckpointException, the first rank's failure."""
+    failures = getattr(cause, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_describe_cause(inner)}"
+        return str(inner)
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+
+
+def _close_engine(engine: Engine, pid: int) -> None:
+    """Finalizer of a DataStatesWriter: stops its threads and frees its cache (leaks in a child)."""
+    if os.getpid() == pid:
+        engine.close()
+
+
 class _StagedStateDict(dict):  # type: ignore[type-arg]
     """The staged dict ``stage()`` returns: it tells the writer which thread saves which job.
 
@@ -112,6 +280,8 @@ class _StagedStateDict(dict):  # type: ignore[type-arg]
     storage-writer call that needs to know, is ``dcp.save``'s ``_stateful_to_state_dict``
     iterating ``items()``. That first iteration in a thread other than the staging one binds
     that thread to this save job, so consecutive saves can be ordered identically on every rank.
+    If it is collected without ever being bound, its job is released (failed and dropped).
+    It cannot be pickled (``AsyncCheckpointerType.PROCESS`` is not supported).
     """
 
     def __init__(self, data: dict[str, Any], writer: DataStatesWriter, job: SaveJob) -> None:
@@ -119,6 +289,7 @@ class _StagedStateDict(dict):  # type: ignore[type-arg]
         self._writer_ref = weakref.ref(writer)
         self._job = job
         self._stage_thread = threading.get_ident()
+        weakref.finalize(self, _staged_collected, self._writer_ref, job, writer._pid)
 
     def items(self):  # type: ignore[no-untyped-def,override]
         ident = threading.get_ident()
@@ -127,6 +298,13 @@ class _StagedStateDict(dict):  # type: ignore[type-arg]
             if w is not None:
                 w._bind_thread(ident, self._job)
         return super().items()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a DataStatesWriter staged state dict cannot be pickled: its data lives in this "
+            "process's host cache. Use dcp.async_save with the default thread executor, not "
+            "AsyncCheckpointerType.PROCESS."
+        )
 
 
 class ProtectHandle:
@@ -139,7 +317,7 @@ class ProtectHandle:
 
     def _pre_step(self, *_: Any) -> None:
         w = self._writer()
-        if w is not None and not w.closed:
+        if w is not None and not w.closed and w._pid == os.getpid():
             w.wait_captured()
 
     @property
@@ -184,6 +362,12 @@ class DataStatesWriter(StorageWriter):
             captured lazily unless its optimizer was passed to :meth:`protect`.
         pin_memory: page-lock the cache with the CUDA runtime at construction (default: when
             CUDA is available; otherwise it happens on the first save of a CUDA tensor).
+        overwrite: replace an existing checkpoint at the save's path (default, as
+            FileSystemWriter); False refuses the save on every rank (FileExistsError naming the
+            path) when ``.metadata`` is already there.
+
+    Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
+    is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
     """
 
     _synchronize_after_execute: bool = False
@@ -206,9 +390,12 @@ class DataStatesWriter(StorageWriter):
         idle_priority: bool = True,
         step_barrier: bool = True,
         pin_memory: bool | None = None,
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.overwrite = bool(overwrite)
+        self._pid = os.getpid()
         self.config = WriterConfig(
             cache_bytes=parse_size(host_cache_size, what="host_cache_size"),
             chunk_bytes=parse_size(chunk_size, default_unit=1, what="chunk_size"),
@@ -242,9 +429,11 @@ class DataStatesWriter(StorageWriter):
         self._thread_jobs: dict[int, SaveJob] = {}  # save thread -> the staged job it carries
         self._protects: list[ProtectHandle] = []
         self._unreported: collections.deque[SaveJob] = collections.deque()
+        self._future_errors: dict[int, BaseException] = {}  # id(job in _unreported) -> its error
         self._stats: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self._tls = threading.local()
         self._closed = False
+        weakref.finalize(self, _close_engine, self._engine, self._pid)
         barrier.register_writer(self)
 
     # ------------------------------------------------------------------------------------------
@@ -252,6 +441,11 @@ class DataStatesWriter(StorageWriter):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def owner_pid(self) -> int:
+        """The process that created this writer; a forked child cannot use it."""
+        return self._pid
 
     def protect(self, optimizer: torch.optim.Optimizer) -> ProtectHandle:
         """Makes ``optimizer.step()`` wait until every save in flight is in the host cache.
@@ -283,6 +477,7 @@ class DataStatesWriter(StorageWriter):
         save that failed since the last barrier. Returns False if ``timeout`` (seconds) expired.
         Safe to call at any time, from the training thread; releases the GIL while waiting.
         """
+        self._check_owner()
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._lock:
             jobs = [j for j in self._jobs if not j.verified]
@@ -313,6 +508,7 @@ class DataStatesWriter(StorageWriter):
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until every save in flight is durable (or failed). False on timeout."""
+        self._check_owner()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._jobs:
@@ -324,6 +520,7 @@ class DataStatesWriter(StorageWriter):
 
     def save_stats(self) -> list[dict[str, Any]]:
         """Telemetry of the recent saves on this rank (oldest first), as dicts (see SaveStats)."""
+        self._check_owner()
         with self._lock:
             return [s.as_dict() for s in self._stats]
 
@@ -337,8 +534,16 @@ class DataStatesWriter(StorageWriter):
         return self._engine
 
     def close(self) -> None:
-        """Waits for saves in flight, then stops the engine and frees the host cache."""
+        """Waits for saves in flight, then stops the engine and frees the host cache.
+
+        Idempotent. In a forked child it only marks this process's view of the writer closed:
+        the engine belongs to the parent and is neither waited for, joined nor freed here.
+        """
         if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True  # no lock: a parent thread may have held it at the fork
+            self._engine.close()  # the binding leaks the native engine in a child
             return
         self.wait()
         with self._lock:
@@ -374,7 +579,7 @@ class DataStatesWriter(StorageWriter):
         Returns the staged dict that dcp.async_save hands to its background save.
         """
         self._check_open()
-        self._raise_unreported()
+        self._refuse_process_executor()
         owners: dict[int, int] = {}
         if self.config.capture in ("auto", "owned"):
             with self._lock:
@@ -389,11 +594,88 @@ class DataStatesWriter(StorageWriter):
                 self._by_staged[key] = job
         return _StagedStateDict(staged, self, job)
 
+    def _refuse_process_executor(self) -> None:
+        if _async_save_uses_process_executor():
+            raise ValueError(
+                "DataStatesWriter does not support dcp.async_save(async_checkpointer_type="
+                "AsyncCheckpointerType.PROCESS): its host cache and native threads live in this "
+                "process. Use the default AsyncCheckpointerType.THREAD."
+            )
+
     def _bind_thread(self, ident: int, job: SaveJob) -> None:
+        """Binds a staged job to the save thread that iterates its staged dict (see the module
+        docstring); arranges for the job to be released when that save ends, whatever happens."""
         with self._lock:
-            if job.thread is None and not job.finished:
-                job.thread = ident
-                self._thread_jobs[ident] = job
+            if job.thread is not None or job.finished or job.protocol_done:
+                return
+            job.thread = ident
+            self._thread_jobs[ident] = job
+            holder = getattr(self._tls, "holder", None)
+            if job.checkpoint_id is None:
+                ctx = holder.ctx if holder is not None and not holder.ctx.finished else None
+                job.checkpoint_id = ctx.path if ctx is not None else (self.path or None)
+            if job.rank < 0:
+                job.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        wref = weakref.ref(self)
+        binding = _Binding(job)
+        weakref.finalize(binding, _release_cb, wref, job, self._pid, "its save thread ended")
+        self._tls.binding = binding  # replaces (and so releases) a previous job of this thread
+        fut = _current_executor_future()
+        if fut is None:
+            return
+
+        def on_seen() -> None:
+            w = wref()
+            if w is not None:
+                w._error_seen(job)
+
+        try:
+            fut._dcpds_on_seen = on_seen  # type: ignore[attr-defined]
+            if type(fut) is concurrent.futures.Future:
+                fut.__class__ = _SeenTrackingFuture
+        except (AttributeError, TypeError):  # pragma: no cover - an exotic future
+            pass
+        pid = self._pid
+        fut.add_done_callback(
+            lambda f: _release_cb(wref, job, pid, "its save ended", _future_exception(f))
+        )
+
+    def _error_seen(self, job: SaveJob) -> None:
+        """The caller read this job's error from its future: the barrier will not raise it."""
+        with self._lock:
+            job.error_reported = True
+            self._future_errors.pop(id(job), None)
+            if job in self._unreported:
+                self._unreported.remove(job)
+
+    def _release_job(
+        self, job: SaveJob, why: str, cause: BaseException | None = None, quiet: bool = False
+    ) -> None:
+        """Ends a staged job's protocol: fails it if its data was never written, drops it.
+
+        ``quiet``: nobody is waiting for that save's outcome; the barrier does not raise it.
+        """
+        with self._lock:
+            if job.protocol_done:
+                return
+            if quiet:
+                job.error_reported = True
+            job.protocol_done = True  # its DCP protocol (collectives included) is over
+            if job.thread is not None and self._thread_jobs.get(job.thread) is job:
+                del self._thread_jobs[job.thread]
+        if not job.finished:
+            msg = (
+                f"save to {job.checkpoint_id or self.path or '<no path>'} failed on rank "
+                f"{max(job.rank, 0)} before its data was written ({why})"
+            )
+            if cause is not None:
+                msg += f": {_describe_cause(cause)}"
+            self._fail_job(job, CheckpointSaveError(msg))
+        if cause is not None:
+            with self._lock:
+                if job in self._unreported:  # the barrier checks whether result() raised it
+                    self._future_errors[id(job)] = cause
+        self._drop_job(job)
 
     def synchronize_staging(self) -> None:
         """Same as :meth:`wait_captured` (for code written against the AsyncStager protocol)."""
@@ -402,6 +684,7 @@ class DataStatesWriter(StorageWriter):
     # ------------------------------------------------------------------------------------------
     # StorageWriter protocol
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._check_owner()
         self._begin_context(os.fspath(checkpoint_id) if checkpoint_id is not None else self.path)
 
     @classmethod
@@ -413,12 +696,22 @@ class DataStatesWriter(StorageWriter):
         return True
 
     def storage_meta(self) -> StorageMeta | None:
+        self._check_owner()
         ctx = self._context()
+        if ctx.meta_taken:
+            # DCP calls storage_meta() once per save, first: a save without reset() (no
+            # checkpoint_id) must not inherit the previous save's context in this thread.
+            ctx = self._begin_context(self.path)
+        ctx.meta_taken = True
         return StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._check_open()
         ctx = self._context()
+        with self._lock:
+            # Adopt the staged job first, so that a refusal below still ends it (the binding
+            # releases it when this save ends).
+            ctx.job = self._thread_jobs.get(threading.get_ident())
         ctx.coordinator = is_coordinator
         ctx.rank = int(kwargs.get("rank", args[0] if args else 0) or 0)
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -431,7 +724,6 @@ class DataStatesWriter(StorageWriter):
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
         with self._idle:
-            ctx.job = self._thread_jobs.pop(threading.get_ident(), None)
             # One save's protocol (with its collectives) at a time, in the order of the save
             # calls, identically on every rank: wait for every earlier staged save to end.
             limit = ctx.job.seq if ctx.job is not None else None
@@ -442,6 +734,14 @@ class DataStatesWriter(StorageWriter):
                 self._idle.wait()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not self.overwrite:
+            ctx = self._context()
+            d = CheckpointDir(ctx.path)
+            if d.fs.exists(d.join(METADATA_FILE)):
+                raise FileExistsError(
+                    f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
+                    f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
+                )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -463,6 +763,7 @@ class DataStatesWriter(StorageWriter):
                 f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
             )
             self._fail_job(job, err)
+            self._release_claim(ctx)  # a later save to this path must not find it busy
             if err is e:
                 raise
             raise err from e
@@ -501,7 +802,9 @@ class DataStatesWriter(StorageWriter):
             self._end_context(old.ctx)
         ctx = _Context(path=path)
         holder = _ContextHolder(ctx)
-        weakref.finalize(holder, self._end_context, ctx)
+        # The finalizer holds the writer weakly: a strong reference (a bound method) would keep
+        # every writer used from a long-lived thread alive forever, cache and threads included.
+        weakref.finalize(holder, _end_context_cb, weakref.ref(self), ctx, self._pid)
         self._tls.holder = holder
         return ctx
 
@@ -512,24 +815,23 @@ class DataStatesWriter(StorageWriter):
         return holder.ctx
 
     def _end_context(self, ctx: _Context) -> None:
-        """Runs when a save context is replaced or its thread exits: undoes what it left open."""
+        """Runs when a save context is replaced or its thread exits: undoes what it left open.
+
+        A staged job is released by its binding (see _bind_thread), not here; a dcp.save job
+        is finished or failed by write_data.
+        """
         if ctx.ended:
             return
         ctx.ended = True
         self._release_claim(ctx)
         job = ctx.job
-        if job is not None and not job.finished:
-            # This thread's save ended before its data was written (planning failed here or on
-            # another rank): the staged job will never be written. Free its cache space.
+        if job is not None and job.adhoc and not job.finished:
             self._fail_job(
                 job,
                 CheckpointSaveError(
                     f"save to {ctx.path} failed on rank {ctx.rank} before its data was written"
                 ),
             )
-        if job is not None:
-            job.protocol_done = True  # the thread's DCP protocol (collectives included) is over
-            self._drop_job(job)
         ctx.finished = True
 
     def _claim_and_prepare(self, ctx: _Context) -> None:
@@ -758,6 +1060,8 @@ class DataStatesWriter(StorageWriter):
             job.release_sources(done=True)
         self._record_stats(job, job.rank, st)
         with self._lock:
+            if job.adhoc:
+                job.error_reported = True  # dcp.save raised it to its caller
             if not job.error_reported:
                 self._unreported.append(job)
         if job.adhoc:
@@ -791,23 +1095,22 @@ class DataStatesWriter(StorageWriter):
             if not report:
                 logger.warning("%s", e)
                 return True
-            job.error_reported = True
-            with self._lock:
-                if job in self._unreported:
-                    self._unreported.remove(job)
+            self._error_seen(job)  # raised here, at the barrier
             raise
         finally:
             job.blocked_s += time.perf_counter() - t0
         return True
 
     def _raise_unreported(self) -> None:
+        """Raises the error of the oldest failed save its caller has not seen yet (if any)."""
         with self._lock:
-            if not self._unreported:
-                return
-            job = self._unreported.popleft()
-            job.error_reported = True
-        assert job.error is not None
-        raise job.error
+            while self._unreported:
+                job = self._unreported.popleft()
+                job.error_reported = True
+                if _raised_by_result(self._future_errors.pop(id(job), None)):
+                    continue  # the caller got it from the save's future already
+                assert job.error is not None
+                raise job.error
 
     def _record_stats(self, job: SaveJob, rank: int, st: dict[str, Any]) -> None:
         t_cap = engine_time_to_perf(st["captured_s"]) if st["captured_s"] >= 0 else math.nan
@@ -835,7 +1138,15 @@ class DataStatesWriter(StorageWriter):
         with self._lock:
             self._stats.append(s)
 
+    def _check_owner(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this DataStatesWriter belongs to process {self._pid}; a forked child (process "
+                f"{os.getpid()}) cannot use it: create a new writer in the child"
+            )
+
     def _check_open(self) -> None:
+        self._check_owner()
         if self._closed:
             raise RuntimeError("this DataStatesWriter is closed")
 

@@ -68,7 +68,10 @@ def test_parse_size_units() -> None:
     assert parse_size(0.5) == 512 * 1024**2
     assert parse_size("512MiB") == 512 * 1024**2
     assert parse_size("1.5GB") == 1_500_000_000
-    assert parse_size("4096") == 4096
+    assert parse_size("16") == 16 * 1024**3  # a bare number is GiB in every form
+    assert parse_size(" 0.5 ") == 512 * 1024**2
+    assert parse_size("4096B") == 4096
+    assert parse_size("4096", default_unit=1) == 4096
     assert parse_size("64 KiB") == 65536
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.memory import MemoryFileSystem
 
-from dcp_datastates import CheckpointSaveError, DataStatesWriter, _core
+from dcp_datastates import DataStatesWriter, _core
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -29,10 +29,9 @@ def big_state(mb: float = 2.0) -> dict[str, Any]:
 
 
 def assert_recovers(w: DataStatesWriter, tmp_path: Any, failed_path: str) -> None:
-    """The failed save left no commit; the barrier reports it once; the writer saves again."""
+    """The failed save left no commit; the error, already read from the save's future (or
+    dcp.save), is not raised again at the barrier; the writer saves again."""
     assert not os.path.exists(os.path.join(failed_path, ".metadata"))
-    with pytest.raises(CheckpointSaveError):
-        w.wait_captured()
     w.wait_captured()
     c = w.engine_counters()
     assert c["cache_used_bytes"] == 0 and c["jobs"] == 0 and c["open_files"] == 0, c

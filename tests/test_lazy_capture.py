@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, zeros_like_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from dcp_datastates import CaptureError, CheckpointSaveError, DataStatesWriter
+from dcp_datastates import DataStatesWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -114,9 +114,7 @@ def test_in_place_modification_before_capture_fails_the_save(
     with pytest.raises(BaseException, match="weights.*modified in place"):
         fut.result(timeout=30)
     assert not os.path.exists(os.path.join(path, ".metadata"))
-    with pytest.raises(CaptureError):
-        w.wait_captured()  # reported once more at the next barrier ...
-    w.wait_captured()  # ... and only once
+    w.wait_captured()  # already read from the future: not raised again at the barrier
     # The writer stays usable.
     dcp.async_save(sd, storage_writer=w, checkpoint_id=path).result(timeout=30)
     out = {"weights": torch.zeros(50_000)}
@@ -226,8 +224,8 @@ def test_save_failing_before_write_releases_its_staged_job(
     deadline = time.time() + 30
     while w.engine_counters()["jobs"] and time.time() < deadline:
         time.sleep(0.01)
-    with pytest.raises(CheckpointSaveError, match="before its data was written"):
-        w.wait_captured(timeout=30)
+    assert w.wait_captured(timeout=30)  # read from the future already: not raised again
+    assert w.wait(timeout=30)
     assert w.engine_counters()["cache_used_bytes"] == 0
     assert not os.path.exists(str(tmp_path / "c" / ".metadata"))
 

@@ -6,7 +6,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <memory>
+#include <string>
 
 #include "../engine/crc32c.hpp"
 #include "../engine/engine.hpp"
@@ -23,29 +27,48 @@ namespace {
 
 // Owns the Engine so that Python can close it deterministically (close() joins the threads with
 // the GIL released; the destructor does the same if close() was never called).
+// Fork: the handle remembers the process that created the engine. In a forked child, get() raises
+// EngineError naming that process, and close()/the destructor leak the engine instead of
+// destroying it: its threads exist only in the parent, so joining them (or waiting on the
+// condition variables they were waiting on at the fork) would hang or crash the child.
 class EngineHandle {
  public:
-  explicit EngineHandle(const EngineOptions& o) {
+  explicit EngineHandle(const EngineOptions& o) : owner_pid_(::getpid()) {
     py::gil_scoped_release nogil;
     engine_ = std::make_unique<Engine>(o);
   }
   ~EngineHandle() {
-    if (engine_) {
-      py::gil_scoped_release nogil;
-      engine_.reset();
+    if (!engine_) return;
+    if (foreign()) {
+      (void)engine_.release();  // leaked on purpose: see the class comment
+      return;
     }
+    py::gil_scoped_release nogil;
+    engine_.reset();
   }
   Engine& get() {
+    if (foreign())
+      throw dcpds::EngineError("this engine belongs to process " + std::to_string(owner_pid_) +
+                               "; a forked child (process " + std::to_string(::getpid()) +
+                               ") cannot use it: create a new writer in the child");
     if (!engine_) throw dcpds::EngineError("the engine is closed");
     return *engine_;
   }
   void close() {
+    if (!engine_) return;
+    if (foreign()) {
+      (void)engine_.release();
+      return;
+    }
     py::gil_scoped_release nogil;
     engine_.reset();
   }
   bool closed() const { return !engine_; }
+  bool foreign() const { return ::getpid() != owner_pid_; }
+  pid_t owner_pid() const { return owner_pid_; }
 
  private:
+  const pid_t owner_pid_;
   std::unique_ptr<Engine> engine_;
 };
 
@@ -129,6 +152,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("idle_priority") = false)
       .def("close", &EngineHandle::close)
       .def_property_readonly("closed", &EngineHandle::closed)
+      .def_property_readonly("owner_pid", &EngineHandle::owner_pid,
+                             "The process that created the engine (a forked child cannot use it).")
       .def_property_readonly("cache_bytes", [](EngineHandle& h) { return h.get().cache_bytes(); })
       .def_property_readonly("chunk_bytes", [](EngineHandle& h) { return h.get().chunk_bytes(); })
       .def_property_readonly("cache_address", [](EngineHandle& h) {

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "crc32c.hpp"
 #include "error.hpp"
@@ -87,7 +88,8 @@ std::pair<CudaRuntime::Stream, CudaRuntime::Event> create_copy_resources(const C
 }  // namespace
 
 Engine::Engine(const EngineOptions& options)
-    : options_(options),
+    : owner_pid_(::getpid()),
+      options_(options),
       chunk_bytes_(clamp_chunk(options)),
       align_(options.o_direct ? PosixFile::kDirectAlign : 64),
       cuda_(nullptr),
@@ -112,6 +114,10 @@ Engine::Engine(const EngineOptions& options)
 }
 
 Engine::~Engine() {
+  if (!is_owner()) {
+    abandon_in_child();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -121,6 +127,36 @@ Engine::~Engine() {
   state_cv_.notify_all();
   ring_.shutdown();
   for (auto& t : threads_) t.join();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fork safety
+
+bool Engine::is_owner() const { return ::getpid() == owner_pid_; }
+
+void Engine::check_owner() const {
+  if (!is_owner())
+    throw EngineError("this engine belongs to process " + std::to_string(owner_pid_) +
+                      "; a forked child (process " + std::to_string(::getpid()) +
+                      ") cannot use it: create a new writer in the child");
+}
+
+void Engine::abandon_in_child() noexcept {
+  // In a forked child only the forking thread exists: the worker threads, and any lock or
+  // condition-variable waiter they had at the fork, are copies of the parent's. Joining them,
+  // destroying a condition variable that lists their waits (glibc waits for those waiters), or
+  // unregistering pinned memory through CUDA would hang or crash. Everything that could do so is
+  // leaked (the child's copy of the memory is freed when it exits); the members destroyed after
+  // this are fresh, empty objects.
+  new std::vector<std::thread>(std::move(threads_));
+  new std::map<std::uint64_t, std::unique_ptr<Job>>(std::move(jobs_));
+  new HostCache(std::move(cache_));
+  (void)cuda_.release();
+  const std::size_t capacity = ring_.capacity();
+  new (&ring_) RingAllocator(capacity);
+  new (&work_cv_) std::condition_variable();
+  new (&state_cv_) std::condition_variable();
+  new (&mu_) std::mutex();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -206,6 +242,7 @@ void Engine::enqueue_flush_locked(const FlushTask& t) {
 // Stage 1: register
 
 std::uint64_t Engine::create_job(const std::string& label) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   DCPDS_CHECK(!stop_, "the engine is closed");
   const std::uint64_t id = next_job_++;
@@ -220,6 +257,7 @@ std::uint64_t Engine::create_job(const std::string& label) {
 std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, std::uintptr_t src,
                                 std::size_t bytes, int device, std::uintptr_t ready_event,
                                 bool direct) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -247,6 +285,7 @@ std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, s
 }
 
 void Engine::start_copies(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -285,6 +324,7 @@ void Engine::start_copies(std::uint64_t job_id) {
 }
 
 std::vector<std::size_t> Engine::reserve(std::uint64_t job_id, std::uint32_t entry, bool wait) {
+  check_owner();
   std::vector<std::size_t> sizes;
   Job* job;
   {
@@ -346,6 +386,7 @@ std::vector<std::size_t> Engine::reserve(std::uint64_t job_id, std::uint32_t ent
 
 void Engine::land(std::uint64_t job_id, std::uint32_t entry, bool ok, const std::string& error,
                   double busy_s) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -373,6 +414,7 @@ void Engine::land(std::uint64_t job_id, std::uint32_t entry, bool ok, const std:
 }
 
 bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry, bool wait) {
+  check_owner();
   std::vector<std::pair<const std::uint8_t*, std::size_t>> spans;  // (source, bytes) per chunk
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -392,6 +434,7 @@ bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry, bool wait) {
 }
 
 void Engine::retarget(std::uint64_t job_id, std::uint32_t entry, std::uintptr_t src, bool direct) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -546,6 +589,7 @@ void Engine::copy_loop(int /*index*/) {
 // Stage 3: place
 
 std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path) {
+  check_owner();
   {
     std::lock_guard<std::mutex> lock(mu_);
     check_failed_locked(job_locked(job_id));
@@ -560,6 +604,7 @@ std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path) {
 void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
                    std::uint64_t payload_offset, const std::string& header,
                    const std::string& trailer) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -591,6 +636,7 @@ void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
 }
 
 void Engine::place_external(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -601,6 +647,7 @@ void Engine::place_external(std::uint64_t job_id, std::uint32_t entry) {
 }
 
 void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -615,6 +662,7 @@ void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
 
 void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t offset,
                          const std::string& data) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -628,6 +676,7 @@ void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t 
 }
 
 void Engine::seal(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   check_failed_locked(job);
@@ -644,6 +693,8 @@ void Engine::seal(std::uint64_t job_id) {
     }
   }
   job.sealed = true;
+  // A job with nothing left to copy is captured once sealed: also one that never had an entry
+  // queued (a dcp.save whose plan has no tensor item on this rank), which start_copies never saw.
   job.started = true;  // nothing more will be queued
   if (job.uncaptured == 0 && !job.captured) {
     job.captured = true;
@@ -657,6 +708,7 @@ void Engine::seal(std::uint64_t job_id) {
 // External consumers
 
 std::uint32_t Engine::chunk_count(std::uint64_t job_id, std::uint32_t entry) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size(), "unknown entry " + std::to_string(entry));
@@ -665,6 +717,7 @@ std::uint32_t Engine::chunk_count(std::uint64_t job_id, std::uint32_t entry) {
 
 std::pair<std::size_t, std::size_t> Engine::wait_chunk(std::uint64_t job_id, std::uint32_t entry,
                                                        std::uint32_t chunk) {
+  check_owner();
   std::unique_lock<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
@@ -684,6 +737,7 @@ std::pair<std::size_t, std::size_t> Engine::wait_chunk(std::uint64_t job_id, std
 }
 
 void Engine::release_chunk(std::uint64_t job_id, std::uint32_t entry, std::uint32_t chunk) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   DCPDS_CHECK(entry < job.entries.size() && chunk < job.entries[entry].chunks.size(),
@@ -838,6 +892,7 @@ void Engine::flush_loop(int /*index*/) {
 // Waiting and results
 
 bool Engine::wait_job(std::uint64_t job_id, double timeout_s, bool until_done) {
+  check_owner();
   std::unique_lock<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   // A failed job counts as captured only once no copy of it is in flight, so that the caller may
@@ -863,17 +918,20 @@ bool Engine::wait_done(std::uint64_t job_id, double timeout_s) {
 }
 
 bool Engine::is_captured(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   const Job& job = job_locked(job_id);
   return job.captured || (job.failed.load() && job.uncaptured == 0);
 }
 
 bool Engine::is_done(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   return job_locked(job_id).done;
 }
 
 void Engine::abort(std::uint64_t job_id, const std::string& reason) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
@@ -881,6 +939,7 @@ void Engine::abort(std::uint64_t job_id, const std::string& reason) {
 }
 
 void Engine::forget(std::uint64_t job_id) {
+  check_owner();
   std::unique_lock<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
@@ -892,6 +951,7 @@ void Engine::forget(std::uint64_t job_id) {
 }
 
 std::vector<ChunkRecord> Engine::chunk_records(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   const Job& job = job_locked(job_id);
   std::vector<ChunkRecord> out;
@@ -909,11 +969,13 @@ std::vector<ChunkRecord> Engine::chunk_records(std::uint64_t job_id) {
 }
 
 JobStats Engine::stats(std::uint64_t job_id) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   return job_locked(job_id).stats;
 }
 
 EngineCounters Engine::counters() {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   std::size_t files = 0;
   for (auto& kv : jobs_)
@@ -923,6 +985,7 @@ EngineCounters Engine::counters() {
 }
 
 void Engine::enable_cuda(const std::string& runtime_path) {
+  check_owner();
   // cuda_mu_ serializes enable_cuda() calls; mu_ is not held while the runtime loads and the
   // cache is registered (seconds for a large cache), so copies and flushes go on meanwhile.
   std::lock_guard<std::mutex> cuda_lock(cuda_mu_);
@@ -949,6 +1012,7 @@ std::string Engine::pin_error() {
 }
 
 void Engine::pause_copies(bool paused) {
+  check_owner();
   {
     std::lock_guard<std::mutex> lock(mu_);
     paused_ = paused;
@@ -957,6 +1021,7 @@ void Engine::pause_copies(bool paused) {
 }
 
 void Engine::set_delays(int copy_delay_us_max, int flush_delay_us_max, std::uint64_t seed) {
+  check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   copy_delay_us_ = copy_delay_us_max;
   flush_delay_us_ = flush_delay_us_max;

@@ -23,11 +23,16 @@
 // Thread-safety: every public method may be called from any thread.
 // Lifetimes: a source address must stay valid until the job is captured; a job's bookkeeping is
 // kept until forget(). Header/trailer/bytes are copied into the engine.
+// Fork: an Engine belongs to the process that created it. In a forked child every public method
+// throws EngineError naming the owner pid, without touching a lock; the destructor, run in a child,
+// joins nothing and waits on nothing: it leaks the threads' handles, the jobs and the cache
+// (abandon_in_child), because the worker threads and their waits exist only in the parent.
 // Failures: the first error of a job (an I/O error naming the path, a CUDA error, an abort) is
 // latched on the job; its remaining work is dropped, its cache space returned, and wait_captured /
 // wait_done throw EngineError with that message. Other jobs are unaffected.
 #pragma once
 
+#include <sys/types.h>
 #include <sys/uio.h>
 
 #include <atomic>
@@ -260,7 +265,11 @@ class Engine {
   void do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk);
   void do_finalize(Job& job);
   void maybe_delay(bool copy);
+  bool is_owner() const;
+  void check_owner() const;          // throws EngineError in a forked child
+  void abandon_in_child() noexcept;  // the destructor's path in a forked child
 
+  const pid_t owner_pid_;  // the process that created the engine (and its threads)
   const EngineOptions options_;
   const std::size_t chunk_bytes_;
   const std::size_t align_;

@@ -1,0 +1,360 @@
+"""The DCP protocol never hangs, errors are reported once per channel, forks are safe, and
+dropped writers are collected (docs/architecture.md, "Failure semantics").
+
+Every wait here has a timeout, so a regression fails instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_datastates import CheckpointSaveError, DataStatesWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+T = 30.0  # seconds: any wait longer than this is a hang
+
+
+@pytest.fixture
+def make_writer(tmp_path: Any) -> Iterator[Callable[..., DataStatesWriter]]:
+    made: list[DataStatesWriter] = []
+
+    def make(path: str | None = None, **kw: Any) -> DataStatesWriter:
+        kw.setdefault("host_cache_size", "8MiB")
+        kw.setdefault("chunk_size", "1MiB")
+        kw.setdefault("prefault", False)
+        w = DataStatesWriter(str(tmp_path / "default") if path is None else path, **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        assert w.wait(timeout=T), "a save was left behind: close() would hang"
+        w.close()
+
+
+def in_thread(fn: Callable[[], Any], timeout: float = T) -> Any:
+    """Runs a blocking call (dcp.save) in a daemon thread; fails the test if it hangs."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"hung for {timeout}s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def healthy_save(w: DataStatesWriter, path: str) -> None:
+    """An async save through ``w`` completes and loads back with the stock reader."""
+    sd = {"x": torch.arange(1000, dtype=torch.float32), "step": 7}
+    dcp.async_save(sd, storage_writer=w, checkpoint_id=path).result(timeout=T)
+    out = {"x": torch.zeros(1000), "step": 0}
+    dcp.load(out, checkpoint_id=path)
+    assert torch.equal(out["x"], sd["x"]) and out["step"] == 7
+
+
+class ExplodingPlanner(DefaultSavePlanner):
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        raise RuntimeError("set_up_planner exploded")
+
+
+def _failing_save(kind: str, w: DataStatesWriter, path: str) -> concurrent.futures.Future[Any]:
+    if kind == "duplicated-key":
+        sd: dict[str, Any] = {"a.b": torch.ones(4), "a": {"b": torch.ones(4)}}
+        return dcp.async_save(sd, storage_writer=w, checkpoint_id=path)
+    if kind == "planner-raises":
+        return dcp.async_save({"x": torch.ones(4)}, storage_writer=w, checkpoint_id=path,
+                              planner=ExplodingPlanner())
+    assert kind == "no-path"
+    return dcp.async_save({"x": torch.ones(4)}, storage_writer=w)
+
+
+FAILURES = {
+    "duplicated-key": "duplicated flatten key",
+    "planner-raises": "set_up_planner exploded",
+    "no-path": "has no path",
+}
+
+
+@pytest.mark.parametrize("kind", list(FAILURES))
+def test_save_failing_before_write_leaves_nothing_behind(
+    tmp_path: Any, make_writer: Any, kind: str
+) -> None:
+    w: DataStatesWriter = make_writer(path="" if kind == "no-path" else None)
+    fut = _failing_save(kind, w, str(tmp_path / "bad"))
+    with pytest.raises(BaseException, match=FAILURES[kind]):
+        fut.result(timeout=T)
+    # The next save, wait() and the barrier neither hang nor re-raise what the future reported.
+    healthy_save(w, str(tmp_path / "good"))
+    assert w.wait(timeout=T)
+    assert w.wait_captured(timeout=T)
+    c = w.engine_counters()
+    assert c["jobs"] == 0 and c["cache_used_bytes"] == 0, c
+    assert not os.path.exists(tmp_path / "bad" / ".metadata")
+
+
+def test_unread_error_is_raised_once_at_the_barrier_and_next_save_kept(
+    tmp_path: Any, make_writer: Any
+) -> None:
+    w: DataStatesWriter = make_writer()
+    fut = _failing_save("planner-raises", w, str(tmp_path / "bad"))
+    concurrent.futures.wait([fut], timeout=T)  # done, but its error is never read
+    assert fut.done()
+    assert w.wait(timeout=T)
+    # A later save is not refused because of the earlier failure ...
+    healthy_save(w, str(tmp_path / "good"))
+    # ... and the unread error comes out once, at the barrier, with its cause.
+    with pytest.raises(CheckpointSaveError, match="before its data was written.*exploded"):
+        w.wait_captured(timeout=T)
+    assert w.wait_captured(timeout=T)
+
+
+def test_error_read_with_exception_is_not_raised_again(tmp_path: Any, make_writer: Any) -> None:
+    w: DataStatesWriter = make_writer()
+    fut = _failing_save("duplicated-key", w, str(tmp_path / "bad"))
+    concurrent.futures.wait([fut], timeout=T)
+    assert fut.exception(timeout=T) is not None
+    assert w.wait(timeout=T)
+    assert w.wait_captured(timeout=T)
+
+
+def test_discarded_staged_dict_releases_its_job(make_writer: Any) -> None:
+    w: DataStatesWriter = make_writer()
+    staged = w.stage({"x": torch.ones(1000)})
+    assert w.engine_counters()["jobs"] == 1
+    del staged  # no save will ever run it
+    gc.collect()
+    assert w.wait(timeout=T)
+    assert w.engine_counters()["jobs"] == 0
+    assert w.wait_captured(timeout=T)  # nobody saved it: nothing to report
+
+
+def test_process_executor_is_refused_clearly(tmp_path: Any, make_writer: Any) -> None:
+    w: DataStatesWriter = make_writer()
+    with pytest.raises(ValueError, match="AsyncCheckpointerType.PROCESS"):
+        dcp.async_save({"x": torch.ones(4)}, storage_writer=w, checkpoint_id=str(tmp_path / "p"),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    assert w.engine_counters()["jobs"] == 0
+    healthy_save(w, str(tmp_path / "good"))
+
+
+def test_sync_save_without_tensors_does_not_hang(tmp_path: Any, make_writer: Any) -> None:
+    w: DataStatesWriter = make_writer()
+    path = str(tmp_path / "no-tensors")
+    in_thread(lambda: dcp.save({"step": 1, "name": "x"}, storage_writer=w, checkpoint_id=path))
+    out = {"step": 0, "name": ""}
+    dcp.load(out, checkpoint_id=path)
+    assert out == {"step": 1, "name": "x"}
+
+
+def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path: Any, make_writer: Any) -> None:
+    path = str(tmp_path / "c")
+    first: DataStatesWriter = make_writer()
+    in_thread(lambda: dcp.save({"x": torch.ones(8)}, storage_writer=first, checkpoint_id=path))
+    w: DataStatesWriter = make_writer(overwrite=False)
+    with pytest.raises(BaseException, match="already exists and .*overwrite=False"):
+        in_thread(lambda: dcp.save({"x": torch.zeros(8)}, storage_writer=w, checkpoint_id=path))
+    with pytest.raises(BaseException, match="overwrite=False"):
+        dcp.async_save({"x": torch.zeros(8)}, storage_writer=w, checkpoint_id=path).result(
+            timeout=T
+        )
+    out = {"x": torch.zeros(8)}
+    dcp.load(out, checkpoint_id=path)
+    assert torch.equal(out["x"], torch.ones(8))  # the old checkpoint is untouched
+    healthy_save(w, str(tmp_path / "fresh"))  # a new path is fine
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _save_three_ways(w: DataStatesWriter, root: str) -> None:
+    in_thread(lambda: dcp.save({"x": torch.ones(16)}, storage_writer=w))  # another thread
+    dcp.save({"x": torch.ones(16)}, storage_writer=w, checkpoint_id=f"{root}/m")  # this thread
+    dcp.async_save({"x": torch.ones(16)}, storage_writer=w,
+                   checkpoint_id=f"{root}/a").result(timeout=T)
+
+
+def test_dropped_writer_is_collected_and_its_engine_closed(tmp_path: Any) -> None:
+    before = _native_threads()
+    w = DataStatesWriter(str(tmp_path / "c"), host_cache_size="4MiB", prefault=False,
+                         copy_threads=2, flush_threads=2)
+    engine = w.engine
+    assert _native_threads() >= before + 4
+    _save_three_ways(w, str(tmp_path))
+    ref = weakref.ref(w)
+    del w
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())
+    assert engine.closed
+    assert _native_threads() <= before
+
+
+# --------------------------------------------------------------------------------------------
+# Two ranks
+
+
+def _two_rank_body(rank: int, world_size: int, root: str) -> dict[str, int]:
+    w = DataStatesWriter(os.path.join(root, "default"), host_cache_size="4MiB", prefault=False)
+    # use_collectives=False on 2 ranks is refused on every rank; nothing is left behind.
+    fut = dcp.async_save({"x": torch.ones(4)}, storage_writer=w,
+                         checkpoint_id=os.path.join(root, "nc"), use_collectives=False)
+    try:
+        fut.result(timeout=T)
+        raise AssertionError("use_collectives=False on 2 ranks was accepted")
+    except BaseException as e:  # noqa: BLE001
+        if "use_collectives=False" not in str(e):
+            raise
+    # One replicated tensor: DCP's dedup gives it to one rank; the other plans no tensor item.
+    sd = {"replicated": torch.arange(64, dtype=torch.float32), "step": 3}
+    dcp.save(sd, storage_writer=w, checkpoint_id=os.path.join(root, "rep"))
+    dcp.async_save(sd, storage_writer=w, checkpoint_id=os.path.join(root, "rep2")).result(
+        timeout=T
+    )
+    assert w.wait(timeout=T)
+    out = {"replicated": torch.zeros(64), "step": 0}
+    dcp.load(out, checkpoint_id=os.path.join(root, "rep2"))
+    assert torch.equal(out["replicated"], sd["replicated"]) and out["step"] == 3
+    c = w.engine_counters()
+    w.close()
+    dist.barrier()
+    return {"jobs": c["jobs"], "cache_used_bytes": c["cache_used_bytes"]}
+
+
+def test_two_ranks_refusal_and_replicated_only_state(tmp_path: Any) -> None:
+    results = run_ranks(_two_rank_body, str(tmp_path), tmp_path=tmp_path, timeout_s=120)
+    assert results == [{"jobs": 0, "cache_used_bytes": 0}] * 2
+
+
+# --------------------------------------------------------------------------------------------
+# fork
+
+
+def run_script(code: str, timeout: float = 120) -> str:
+    """Runs ``code`` in a fresh interpreter; fails on a non-zero exit or a hang."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=timeout, cwd=os.path.dirname(__file__))
+    assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    return r.stdout
+
+
+def test_child_cannot_use_an_inherited_writer_and_exits_cleanly(tmp_path: Any) -> None:
+    out = run_script(f"""
+        import os, sys, time, torch, torch.distributed.checkpoint as dcp, warnings
+        warnings.simplefilter("ignore")
+        from dcp_datastates import DataStatesWriter
+        root = {str(tmp_path)!r}
+        w = DataStatesWriter(root, host_cache_size="4MiB", prefault=False, capture="lazy")
+        idle = DataStatesWriter(root, host_cache_size="1MiB", prefault=False)
+        sd = {{"x": torch.arange(300_000, dtype=torch.float32)}}
+        w.engine.pause_copies(True)   # a save in flight at the fork
+        fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=root + "/inflight")
+        time.sleep(0.3)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                idle.close()   # an idle writer: no crash, nothing joined
+                w.close()      # a busy one: no hang
+                calls = (lambda: dcp.async_save(sd, storage_writer=w, checkpoint_id=root + "/c"),
+                         lambda: w.wait_captured(), lambda: w.engine.counters())
+                for call in calls:
+                    try:
+                        call()
+                        code = 3
+                    except BaseException as e:
+                        if str(os.getppid()) not in str(e):
+                            print("unclear:", e); code = 4
+            except BaseException as e:
+                print("child failed:", repr(e)); code = 5
+            sys.stdout.flush()
+            sys.exit(code)     # a normal exit: finalizers and atexit run in the child
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9); print("child hung"); sys.exit(1)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        w.engine.pause_copies(False)
+        fut.result(timeout=60)    # the parent is unaffected
+        out = {{"x": torch.zeros(300_000)}}
+        dcp.load(out, checkpoint_id=root + "/inflight")
+        assert torch.equal(out["x"], sd["x"])
+        w.close(); idle.close()
+        print("OK")
+    """)
+    assert "OK" in out, out
+
+
+def test_dataloader_fork_loop_during_async_saves(tmp_path: Any) -> None:
+    out = run_script(f"""
+        import os, torch, torch.distributed.checkpoint as dcp, warnings
+        warnings.simplefilter("ignore")
+        from torch.utils.data import DataLoader, TensorDataset
+        from dcp_datastates import DataStatesWriter
+        root = {str(tmp_path)!r}
+        w = DataStatesWriter(root, host_cache_size="2MiB", chunk_size="256KiB", prefault=False)
+        w.engine.set_delays(2000, 2000, seed=1)  # keep saves in flight while workers fork
+        model = torch.nn.Linear(256, 256)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        w.protect(opt)
+        data = TensorDataset(torch.randn(64, 256))
+        parent = os.getpid()
+
+        def worker_init(_: int) -> None:
+            # Code in a worker touching the inherited writer (a `with writer:` block, an atexit
+            # hook) must neither hang nor act on the parent's saves.
+            w.close()
+            try:
+                w.wait_captured()
+            except RuntimeError as e:
+                assert str(parent) in str(e), e
+            else:
+                raise AssertionError("a forked worker used the parent's writer")
+
+        futs = []
+        for epoch in range(4):
+            futs.append(dcp.async_save({{"model": model.state_dict(), "epoch": epoch}},
+                                       storage_writer=w, checkpoint_id=f"{{root}}/e{{epoch}}"))
+            loader = DataLoader(data, batch_size=16, num_workers=2, worker_init_fn=worker_init,
+                                multiprocessing_context="fork", timeout=60)
+            for (x,) in loader:
+                model(x).sum().backward()
+                opt.step(); opt.zero_grad()
+        for f in futs:
+            f.result(timeout=60)
+        assert w.wait(timeout=60)
+        w.close()
+        print("OK")
+    """, timeout=240)
+    assert "OK" in out, out

@@ -1,0 +1,209 @@
+"""The writer behaviours PyTorch's own DCP tests (test/distributed/checkpoint) rely on, exercised
+with DataStatesWriter in place of FileSystemWriter.
+
+Those tests save module state with the deprecated ``save_state_dict(no_dist=True)`` (which calls
+``reset()`` without a checkpoint id), mix tensors with ``Stateful`` blobs, save states without a
+single tensor, create a fresh writer for every save, save again and again to one directory, load
+with other shardings than they saved with, and refuse to overwrite with ``overwrite=False``. Each
+pattern is written here from scratch, with a timeout on every save so a hang fails.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+
+from dcp_datastates import DataStatesWriter
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled", "ignore::FutureWarning"
+)
+
+T = 30.0
+
+
+def bounded(fn: Callable[[], Any], timeout: float = T) -> Any:
+    """Runs a blocking save in a daemon thread; fails the test if it does not return in time."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"the save hung for {timeout}s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def writer(path: str, **kw: Any) -> DataStatesWriter:
+    kw.setdefault("host_cache_size", "4MiB")
+    kw.setdefault("chunk_size", "256KiB")
+    kw.setdefault("prefault", False)
+    return DataStatesWriter(path, **kw)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(7, 5)
+        self.emb = torch.nn.EmbeddingBag(6, 9)
+        self.norm = torch.nn.BatchNorm1d(5)
+
+
+class Blob:
+    """A Stateful holding raw bytes (DCP saves it as a bytes item)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"blob": io.BytesIO(self.data), "len": len(self.data)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        sd["blob"].seek(0)
+        self.data = sd["blob"].read()
+        assert sd["len"] == len(self.data)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_module_state_with_deprecated_no_dist_api(tmp_path: Any, threads: int) -> None:
+    saved = Net().state_dict()
+    w = writer(str(tmp_path), copy_threads=threads, flush_threads=threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bounded(lambda: dcp.save_state_dict(saved, storage_writer=w, no_dist=True))
+        loaded = Net().state_dict()
+        dcp.load_state_dict(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)),
+                            no_dist=True)
+    assert_same(saved, loaded)
+    assert w.wait(timeout=T)
+    w.close()
+
+
+def test_tensors_and_stateful_blob_without_checkpoint_id(tmp_path: Any) -> None:
+    model = Net()
+    blob = Blob(b"SomeBlobForTesting" * 100)
+    w = writer(str(tmp_path))
+    bounded(lambda: dcp.save({"model": model, "blob": blob}, storage_writer=w))  # path of w
+    other, blob2 = Net(), Blob(b"")
+    dcp.load({"model": other, "blob": blob2}, checkpoint_id=str(tmp_path))
+    assert_same(model.state_dict(), other.state_dict())
+    assert blob2.data == blob.data
+    w.close()
+
+
+def test_states_without_any_tensor(tmp_path: Any) -> None:
+    w = writer(str(tmp_path / "default"))
+    states: list[dict[str, Any]] = [
+        {"blob": Blob(b"\x00\x01" * 5000), "meta": {"epoch": 3, "name": "run"}},
+        {"step": 11},
+        {},
+    ]
+    for i, sd in enumerate(states):
+        path = str(tmp_path / f"sync{i}")
+        bounded(lambda sd=sd, path=path: dcp.save(sd, storage_writer=w, checkpoint_id=path))
+        apath = str(tmp_path / f"async{i}")
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=apath).result(timeout=T)
+        for p in (path, apath):
+            assert os.path.exists(os.path.join(p, ".metadata"))
+    out: dict[str, Any] = {"blob": Blob(b""), "meta": {"epoch": 0, "name": ""}}
+    dcp.load(out, checkpoint_id=str(tmp_path / "async0"))
+    assert out["blob"].data == b"\x00\x01" * 5000 and out["meta"] == {"epoch": 3, "name": "run"}
+    assert w.wait(timeout=T)
+    w.close()
+
+
+def test_a_fresh_writer_for_every_save(tmp_path: Any) -> None:
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    for i in range(6):
+        sd = {"w": torch.full((64,), float(i)), "i": i}
+        bounded(lambda sd=sd, i=i: dcp.save(sd, storage_writer=writer(str(tmp_path / f"c{i}"))))
+        out = {"w": torch.zeros(64), "i": -1}
+        dcp.load(out, checkpoint_id=str(tmp_path / f"c{i}"))
+        assert out["i"] == i and bool((out["w"] == i).all())
+    import gc
+
+    gc.collect()
+    assert threads() <= before  # dropped writers took their native threads with them
+
+
+def test_overwrite_true_then_false(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    w = writer(path)  # overwrite=True by default, as FileSystemWriter
+    for value in (1.0, 2.0):
+        bounded(lambda v=value: dcp.save({"x": torch.full((16,), v)}, storage_writer=w))
+    out = {"x": torch.zeros(16)}
+    dcp.load(out, checkpoint_id=path)
+    assert bool((out["x"] == 2.0).all())
+    strict = writer(path, overwrite=False)
+    with pytest.raises(dcp.api.CheckpointException, match="overwrite=False"):
+        bounded(lambda: dcp.save({"x": torch.full((16,), 3.0)}, storage_writer=strict))
+    dcp.load(out, checkpoint_id=path)
+    assert bool((out["x"] == 2.0).all())
+    w.close()
+    strict.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Resharding on load (2 ranks), saving repeatedly to one directory with one writer
+
+
+def _reshard_body(rank: int, world_size: int, root: str) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    w = writer(os.path.join(root, "ckpt"))
+    layouts = [[Shard(0)], [Shard(1)], [Replicate()]]
+    for i, save_as in enumerate(layouts):
+        for load_as in layouts:
+            if load_as == save_as:
+                continue
+            sd = {"t": distribute_tensor(full + i, mesh, save_as), "step": i}
+            if i % 2:
+                dcp.async_save(sd, storage_writer=w).result(timeout=T)
+            else:
+                dcp.save(sd, storage_writer=w)
+            dist.barrier()
+            out = {"t": distribute_tensor(torch.zeros(12, 10), mesh, load_as), "step": -1}
+            dcp.load(out, checkpoint_id=os.path.join(root, "ckpt"))
+            assert out["step"] == i
+            assert torch.equal(out["t"].full_tensor(), full + i), (save_as, load_as)
+            dist.barrier()
+    assert w.wait(timeout=T)
+    w.close()
+    return True
+
+
+def test_resharding_loads_two_ranks_then_one_process(tmp_path: Any) -> None:
+    assert run_ranks(_reshard_body, str(tmp_path), tmp_path=tmp_path, timeout_s=180) == [True] * 2
+    out = {"t": torch.zeros(12, 10), "step": -1}  # the last save, into a plain tensor
+    dcp.load(out, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert out["step"] == 2
+    assert torch.equal(out["t"], torch.arange(120, dtype=torch.float32).reshape(12, 10) + 2)
