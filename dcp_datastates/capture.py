@@ -69,6 +69,7 @@ class CapturedTensor:
     version: int  # source._version at save time (lazy only)
     direct: bool = False  # flushed from `source` itself (kept alive until the job is done)
     owner: int | None = None  # id() of the optimizer owning a lazy tensor (None: nobody)
+    at_call: bool = False  # copied into the cache by the save call itself
     storage_ptr: int = 0  # the source's storage address and size at save time (lazy only)
     storage_nbytes: int = 0
 
@@ -328,6 +329,7 @@ class Stager:
             if taken:
                 reserved += need
                 cap.lazy = False
+                cap.at_call = True
                 cap.source = _RELEASED  # the cache holds it; the caller may change it now
                 continue
             if p.at_call == "must":

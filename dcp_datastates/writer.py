@@ -883,12 +883,17 @@ class DataStatesWriter(StorageWriter):
                 file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(ctx.rank, f)))
             return file_ids[f]
 
-        # Tensor items in copy order (entry order), bytes items after them.
-        def order(item: WriteItem) -> tuple[int, int]:
+        # Tensor items in the order their bytes land: those copied at the save call first (they
+        # are in the cache already), then the background copies in queue (entry) order; bytes
+        # items last. A sequential consumer (the fsspec path) must never wait for a chunk that
+        # cannot land because the cache is full of chunks it will only read later.
+        def order(item: WriteItem) -> tuple[int, int, int]:
             if item.type == WriteItemType.BYTE_IO:
-                return (1, 0)
+                return (2, 0, 0)
             cap = self._lookup(job, staged_sd, item)
-            return (0, cap.entry if cap is not None else 1 << 40)
+            if cap is None:
+                return (1, 1, 0)
+            return (0, 0 if cap.at_call else 1, cap.entry)
 
         for item in sorted(plan.items, key=order):
             if item.type == WriteItemType.BYTE_IO:
