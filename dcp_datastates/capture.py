@@ -20,9 +20,11 @@ snapshot is taken (docs/architecture.md, "Exactness"; docs/configuration.md, ``c
   before the barrier verified the capture, the save fails with :class:`CaptureError` instead of
   being written torn (the copy threads read through the kernel, so a freed source is an error,
   not a crash).
-* **overflow** - state that must be taken at the call but cannot fit even once earlier saves
-  have drained (this save alone needs more than the whole cache) is captured lazily as above,
-  with the same checks, and a warning names the size to configure. Memory stays bounded.
+* **spill** - state that must be taken at the call but cannot fit even once earlier saves have
+  drained (this save alone needs more than the whole cache) is written at the call to an
+  anonymous temporary file (:mod:`dcp_datastates.spill`), later copied into the data file by the
+  kernel. Memory stays bounded; the call takes as long as that write. Only if no spill file can
+  be created is such a tensor captured lazily (with the checks above) and a warning logged.
 
 CUDA tensors the optimizer does not own are cloned on their device (device memory, not host
 memory) and the clone is copied lazily. Non-contiguous views and tensors with conjugate/negative
@@ -37,6 +39,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -48,6 +51,7 @@ import torch
 from .barrier import DTensor, _local, owned_storages
 from .engine import Engine
 from .errors import CaptureError
+from .spill import SpilledTensor, spill_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ class CapturedTensor:
     direct: bool = False  # flushed from `source` itself (kept alive until the job is done)
     owner: int | None = None  # id() of the optimizer owning a lazy tensor (None: nobody)
     at_call: bool = False  # copied into the cache by the save call itself
+    spill: SpilledTensor | None = None  # written to a spill file at the call (see spill.py)
     storage_ptr: int = 0  # the source's storage address and size at save time (lazy only)
     storage_nbytes: int = 0
 
@@ -117,6 +122,8 @@ class SaveJob:
         for t in self.tensors:
             if done or not t.direct:
                 t.source = _RELEASED
+            if done and t.spill is not None:
+                t.spill.close()
         if done:
             self.keepalive.clear()
 
@@ -182,9 +189,12 @@ class Stager:
     it makes are thread-safe.
     """
 
-    def __init__(self, engine: Engine, capture_mode: str) -> None:
+    def __init__(
+        self, engine: Engine, capture_mode: str, spill_dirs: list[str] | None = None
+    ) -> None:
         self._engine = engine
         self._mode = capture_mode
+        self._spill_dirs = spill_dirs if spill_dirs is not None else [tempfile.gettempdir()]
         self._warned_overflow = False
 
     def stage(
@@ -332,20 +342,27 @@ class Stager:
                 cap.at_call = True
                 cap.source = _RELEASED  # the cache holds it; the caller may change it now
                 continue
-            if p.at_call == "must":
-                if not (p.local.is_contiguous() and not p.local.is_conj() and not p.local.is_neg()):
-                    # The compacted copy is private to this save: flush it from where it is.
-                    eng.retarget(job.engine_job, cap.entry, cap.source.data_ptr(), direct=True)
-                    cap.direct = True
+            if p.at_call == "must" and cap.source.device.type == "cpu":
+                # This save alone needs more than the cache for what it must take now: spill.
+                try:
+                    cap.spill = spill_tensor(cap.source, self._spill_dirs)
+                except OSError as e:
+                    overflow.append(f"{cap.name} (spill failed: {e})")
+                else:
+                    job.stall_s += time.perf_counter() - t0
+                    eng.skip(job.engine_job, cap.entry)  # never copied by the engine
+                    cap.lazy = False
+                    cap.at_call = True
+                    cap.source = _RELEASED
                     continue
-                overflow.append(cap.name)
             self._make_lazy(job, cap)
         if overflow and not self._warned_overflow:
             self._warned_overflow = True
             logger.warning(
                 "host_cache_size (%d MiB) is smaller than the state this save must snapshot at the "
-                "call (%s%s): those tensors are copied lazily and the save fails with CaptureError "
-                "if they change before the next optimizer step. Raise host_cache_size.",
+                "call and spilling failed (%s%s): those tensors are copied lazily and the save "
+                "fails with CaptureError if they change before the next optimizer step. Raise "
+                "host_cache_size.",
                 cache >> 20,
                 ", ".join(overflow[:3]),
                 " ..." if len(overflow) > 3 else "",

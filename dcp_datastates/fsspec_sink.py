@@ -29,6 +29,7 @@ class SinkItem:
     prefix: bytes = b""
     suffix: bytes = b""
     data: bytes = b""
+    spill: Any = None  # a SpilledTensor holding the payload (the entry is not in the cache)
 
 
 def write_sequential(
@@ -52,6 +53,13 @@ def write_sequential(
                 continue
             f.write(it.prefix)
             pos += len(it.prefix)
+            if it.spill is not None:
+                it.spill.stream_to(f)
+                records.append((it.entry, 0, pos, it.spill.nbytes, it.spill.crc))
+                pos += it.spill.nbytes
+                f.write(it.suffix)
+                pos += len(it.suffix)
+                continue
             for c in range(engine.chunk_count(job, it.entry)):
                 addr, n = engine.wait_chunk(job, it.entry, c)
                 chunk = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")

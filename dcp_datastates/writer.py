@@ -66,6 +66,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -420,7 +421,7 @@ class DataStatesWriter(StorageWriter):
             except CheckpointSaveError:
                 self._engine.close()
                 raise
-        self._stager = Stager(self._engine, self.config.capture)
+        self._stager = Stager(self._engine, self.config.capture, _spill_dirs(self.path))
         self._templates = TemplateCache()
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
@@ -759,6 +760,11 @@ class DataStatesWriter(StorageWriter):
         try:
             results = self._write(ctx, job, plan, planner)
         except BaseException as e:
+            if isinstance(job.error, CheckpointSaveError):
+                # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
+                # the cause; what this thread hit afterwards is only a consequence.
+                self._release_claim(ctx)
+                raise job.error from e
             err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
                 f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
             )
@@ -876,6 +882,7 @@ class DataStatesWriter(StorageWriter):
         placed: list[tuple[WriteItem, CapturedTensor, int, int, int]] = []
         results: list[WriteResult] = []
         bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
+        spilled: list[tuple[CapturedTensor, int, int, int, Any]] = []
         added_late = False
 
         def fid(f: int) -> int:
@@ -919,7 +926,15 @@ class DataStatesWriter(StorageWriter):
                 )
             tmpl = self._templates.get(cap.dtype, cap.shape)
             f, start, payload = layout.place_tensor(tmpl)
-            if d.local:
+            if cap.spill is not None and d.local:
+                fid(f)  # the engine creates (and later syncs) the data file
+                spilled.append((cap, f, start, payload, tmpl))
+            elif cap.spill is not None:
+                sink[f].append(
+                    SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
+                             suffix=tmpl.suffix, spill=cap.spill)
+                )
+            elif d.local:
                 eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
             else:
                 eng.place_external(job.engine_job, cap.entry)
@@ -935,9 +950,21 @@ class DataStatesWriter(StorageWriter):
             results.append(_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes))
         if added_late:
             eng.start_copies(job.engine_job)
+        ext_records: list[tuple[int, int, int, int, int, int]] = []
+        for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
+            fd = os.open(
+                d.join(data_file_name(ctx.rank, f)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+            try:
+                os.pwrite(fd, tmpl.prefix, start)
+                assert cap.spill is not None
+                cap.spill.copy_to(fd, payload)
+                os.pwrite(fd, tmpl.suffix, payload + cap.nbytes)
+            finally:
+                os.close(fd)
+            ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
         eng.seal(job.engine_job)
 
-        ext_records: list[tuple[int, int, int, int, int, int]] = []
         for f, items in sink.items():
             for e, c, off, n, crc in write_sequential(
                 eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items
@@ -1154,6 +1181,17 @@ class DataStatesWriter(StorageWriter):
         self._check_owner()
         if self._closed:
             raise RuntimeError("this DataStatesWriter is closed")
+
+
+def _spill_dirs(path: str) -> list[str]:
+    """Where at-call snapshots larger than the cache are spilled: beside the checkpoints (same
+    file system, so the copy into the data file can be a reflink), else the temp directory."""
+    dirs: list[str] = []
+    if path and "://" not in path:
+        base = os.path.abspath(path)
+        dirs += [base, os.path.dirname(base)]
+    dirs.append(tempfile.gettempdir())
+    return dirs
 
 
 def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
