@@ -547,6 +547,17 @@ class DataStatesPlain(DataStatesAsync):
         return None  # the plain call has no barrier
 
 
+class DataStatesPlainOwned(DataStatesPlain):
+    """The plain call with ``capture="owned"`` (the DataStates policy): optimizer-owned tensors
+    are copied in the background and the automatic step barrier waits for them. Run beside
+    ``ds_plain`` (default ``auto``: copies at the call) so the capture policy is chosen by
+    measurement."""
+
+    name = "ds_plain_owned"
+    label = "DataStates async_save (plain call, capture=owned)"
+    writer_options = {"capture": "owned"}
+
+
 ALL_NAMES: tuple[str, ...] = (
     "torch_save",
     "dcp_fs_t1",
@@ -566,8 +577,14 @@ TRAINING_EXCLUDED: tuple[str, ...] = ("ds_async_lazy",)
 # right after the barrier would race its copies by design of that scenario, not of the writer)
 SYNTHETIC_EXCLUDED: tuple[str, ...] = ("ds_plain",)
 # the mlp-loop contenders (the names the issue uses; "none" is the baseline, always run)
-MLP_NAMES: tuple[str, ...] = ("ds_plain", "dcp_fs_t2", "dcp_default_stager", "dcp_async")
-MLP_DEFAULT: tuple[str, ...] = ("ds_plain", "dcp_fs_t2", "dcp_default_stager")
+MLP_NAMES: tuple[str, ...] = (
+    "ds_plain",
+    "ds_plain_owned",
+    "dcp_fs_t2",
+    "dcp_default_stager",
+    "dcp_async",
+)
+MLP_DEFAULT: tuple[str, ...] = ("ds_plain", "ds_plain_owned", "dcp_fs_t2", "dcp_default_stager")
 
 
 def make_contender(name: str) -> Contender:
@@ -583,6 +600,7 @@ def make_contender(name: str) -> Contender:
         "ds_async": DataStatesAsync,
         "ds_async_lazy": DataStatesAsyncLazy,
         "ds_plain": DataStatesPlain,
+        "ds_plain_owned": DataStatesPlainOwned,
         # fixed-configuration names used by the mlp-loop scenario
         "dcp_fs_t2": lambda: DcpSave(2),
         "dcp_default_stager": DcpAsyncStager,

@@ -25,8 +25,9 @@ object, raw pointers, in-place ops under ``torch.no_grad`` on ``.data``), see
 docs/architecture.md.
 
 Threads: the hook runs in the thread that calls ``step()``. Failures of the save it waits for are
-not raised from ``step()`` (training goes on): they are raised by the save's future and once at
-the next save. ``writer.protect(optimizer)`` remains as the explicit, raising form.
+not raised from ``step()`` (training goes on): they are raised by the save's future, logged at
+the next save, and raised once by ``writer.wait()`` if nobody read them from the future.
+``writer.protect(optimizer)`` remains as the explicit, raising form.
 Fork: the registries hold weak references only; a forked child inherits the hook, which finds
 no writer it may use (writers refuse to work in a child) and returns at once.
 """

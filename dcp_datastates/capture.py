@@ -100,6 +100,7 @@ class SaveJob:
     bound: bool = False  # write_data has placed its items
     error: BaseException | None = None
     error_reported: bool = False
+    error_logged: bool = False
     checkpoint_id: str | None = None
     rank: int = -1
     thread: int | None = None  # ident of the DCP save thread carrying this job

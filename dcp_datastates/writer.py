@@ -35,10 +35,11 @@ whatever thread runs the save (one per async_save); several saves may be in flig
 (their protocol state lives in a thread-local context). Native copy/flush threads never call Python.
 Failures: a failed save raises CheckpointSaveError from write_data (hence on the save's future as
 DCP's CheckpointException); nothing is committed for it and its cache space is returned. Each error
-is reported once per channel: always on the save's future, then once at the next barrier
-(``wait_captured``, the step pre-hook, ``synchronize_staging``) unless the caller already read it
-from the future (``result()``/``exception()``) or from ``dcp.save``. A later save is never refused
-because an earlier one failed.
+is reported once per channel: always on the save's future, then once at the next explicit barrier
+(``wait_captured``, a ``protect()`` hook, ``synchronize_staging``) or ``wait()`` unless the caller
+already read it from the future (``result()``/``exception()``) or from ``dcp.save``. The automatic
+step barrier never raises (it logs), the next save logs it, ``close()`` logs it. A later save is
+never refused because an earlier one failed.
 
 Lifecycle of a staged job (it must never be left behind, or later saves, ``wait`` and ``close``
 would wait on it forever):
@@ -508,7 +509,18 @@ class DataStatesWriter(StorageWriter):
                 logger.warning("%s", e)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until every save in flight is durable (or failed). False on timeout."""
+        """Blocks until every save in flight is durable (or failed). False on timeout.
+
+        Then raises the error of a failed save that nobody has seen yet (not read from its
+        future, not raised by a barrier or an earlier ``wait``), once: a loop that never looks
+        at the futures of the plain call still learns of a failed save here.
+        """
+        if not self._wait_idle(timeout):
+            return False
+        self._raise_unreported()
+        return True
+
+    def _wait_idle(self, timeout: float | None) -> bool:
         self._check_owner()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
@@ -546,7 +558,11 @@ class DataStatesWriter(StorageWriter):
             self._closed = True  # no lock: a parent thread may have held it at the fork
             self._engine.close()  # the binding leaks the native engine in a child
             return
-        self.wait()
+        self._wait_idle(None)
+        try:
+            self._raise_unreported()
+        except CheckpointSaveError as e:  # close() never raises for a save: it says so
+            logger.error("a save failed and its error was never read: %s", e)
         with self._lock:
             for h in list(self._protects):
                 h._hook.remove()
@@ -581,6 +597,7 @@ class DataStatesWriter(StorageWriter):
         """
         self._check_open()
         self._refuse_process_executor()
+        self._log_unseen_failures()
         owners: dict[int, int] = {}
         if self.config.capture in ("auto", "owned"):
             with self._lock:
@@ -1132,6 +1149,17 @@ class DataStatesWriter(StorageWriter):
         finally:
             job.blocked_s += time.perf_counter() - t0
         return True
+
+    def _log_unseen_failures(self) -> None:
+        """Logs (once each) failed saves nobody has seen yet; the new save is not affected."""
+        with self._lock:
+            jobs = [j for j in self._unreported if not j.error_logged]
+            for j in jobs:
+                j.error_logged = True
+        for j in jobs:
+            if not _raised_by_result(self._future_errors.get(id(j))):
+                logger.error("an earlier save failed (raised by its future and writer.wait()): "
+                             "%s", j.error)
 
     def _raise_unreported(self) -> None:
         """Raises the error of the oldest failed save its caller has not seen yet (if any)."""
