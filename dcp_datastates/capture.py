@@ -4,19 +4,18 @@
 snapshot is taken (docs/architecture.md, "Exactness"; docs/configuration.md, ``capture``):
 
 * **at the call** - a host tensor is copied into the host cache by the calling thread (a native
-  memcpy, GIL released). Exact by construction. Under the default ``capture="auto"`` this is how
-  every CPU tensor is taken when the cache has room: on a host whose cores all train, one fast
-  copy at the call costs training less than background copies competing with forward/backward
-  (docs/benchmarks.md). State the optimizer does not own (buffers, counters, anything a forward
-  pass may change) is always taken at the call; if the cache is full it *waits* for space freed
-  by earlier saves (reported as ``stall_s``), it never clones.
+  memcpy, GIL released). Exact by construction. State no optimizer owns (buffers, counters,
+  anything a forward pass may change) is always taken this way, and every tensor with
+  ``capture="eager"``; if the cache is full it *waits* for space freed by earlier saves (reported
+  as ``stall_s``), it never clones.
 * **lazy** - the tensor is registered as it is and copied in the background by the engine's copy
-  threads; the step barrier (:mod:`dcp_datastates.barrier`) makes the owning optimizer's next
-  ``step()`` wait for it. Used for tensors an optimizer owns (its parameters and state) when the
-  cache has no room for them at the call (``auto``), or always (``capture="owned"``, the
-  DataStates policy, and the default for CUDA tensors, whose copies run on the copy engine), and
-  for every contiguous tensor with ``capture="lazy"``. Each lazy tensor's version counter and
-  storage are recorded; if the tensor was modified in place, or its storage freed or resized,
+  threads (idle CPU priority on the host, the copy engine on CUDA); the step barrier
+  (:mod:`dcp_datastates.barrier`) makes the owning optimizer's next ``step()`` wait for it. Under
+  the default ``capture="auto"`` (the DataStates policy, also spelled ``"owned"``) this is how
+  every tensor an optimizer owns (its parameters and state) is taken, on every device: measured
+  on a 2-core host, it cost training less per checkpoint than copying everything at the call
+  (docs/benchmarks.md, mlp-loop and GPT). With ``capture="lazy"`` every contiguous tensor is.
+  Each lazy tensor's version counter and storage are recorded; if the tensor was modified in place, or its storage freed or resized,
   before the barrier verified the capture, the save fails with :class:`CaptureError` instead of
   being written torn (the copy threads read through the kernel, so a freed source is an error,
   not a crash).
@@ -180,7 +179,7 @@ class _Pending:
 
     cap: CapturedTensor
     local: torch.Tensor  # the detached tensor as the user holds it
-    at_call: str  # "must" (taken at the call), "try" (at the call if room, else lazy), "no"
+    at_call: str  # "must" (taken at the call) or "no" (copied in the background)
 
 
 class Stager:
@@ -284,7 +283,7 @@ class Stager:
         if not on_cpu:
             at_call = "no"
         elif lazy_ok:
-            at_call = "try" if mode == "auto" else "no"
+            at_call = "no"
         else:
             at_call = "must"
         if on_cpu:

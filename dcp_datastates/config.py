@@ -73,10 +73,9 @@ class WriterConfig:
         flush_threads: native threads writing the cache to files.
         files_per_rank: data files each rank writes (written in parallel).
         o_direct: write payloads with O_DIRECT (4 KiB-aligned), bypassing the page cache.
-        capture: "auto" copies host tensors into the cache at the save call when it has room
-            and leaves the optimizer-owned ones that do not fit (and CUDA tensors an optimizer
-            owns) to background copies that the owner's next ``step()`` waits for; "owned" (the
-            DataStates policy) copies every optimizer-owned tensor in the background; "lazy"
+        capture: "auto" (the DataStates policy, chosen by measurement; "owned" is the same)
+            copies every optimizer-owned tensor in the background, the owner's next ``step()``
+            waiting for it, and snapshots everything else at the call; "lazy"
             copies every contiguous tensor in the background (the caller must not modify any
             before ``wait_captured()``); "eager" snapshots every tensor at the call. State that
             must be taken at the call waits for cache space, it is never cloned.
