@@ -16,9 +16,9 @@ snapshot is taken (docs/architecture.md, "Exactness"; docs/configuration.md, ``c
   on a 2-core host, it cost training less per checkpoint than copying everything at the call
   (docs/benchmarks.md, mlp-loop and GPT). With ``capture="lazy"`` every contiguous tensor is.
   Each lazy tensor's version counter and storage are recorded; if the tensor was modified in
-  place, or its storage freed or resized, before the barrier verified the capture, the save fails with :class:`CaptureError` instead of
-  being written torn (the copy threads read through the kernel, so a freed source is an error,
-  not a crash).
+  place, or its storage freed or resized, before the barrier verified the capture, the save
+  fails with :class:`CaptureError` instead of being written torn (the copy threads read through
+  the kernel, so a freed source is an error, not a crash).
 * **spill** - state that must be taken at the call but cannot fit even once earlier saves have
   drained (this save alone needs more than the whole cache) is written at the call to an
   anonymous temporary file (:mod:`dcp_datastates.spill`), later copied into the data file by the
