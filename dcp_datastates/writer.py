@@ -44,7 +44,7 @@ never refused because an earlier one failed.
 Lifecycle of a staged job (it must never be left behind, or later saves, ``wait`` and ``close``
 would wait on it forever):
 
-* ``stage`` creates it and returns a :class:`_StagedStateDict`;
+* ``stage`` creates it and returns a :class:`~dcp_datastates.jobs.StagedStateDict`;
 * the first iteration of that dict in another thread (DCP's save thread) *binds* the job to that
   thread; the save's ``concurrent.futures.Future`` is found then (the executor's work item);
 * the save's protocol is over when that future completes, or when the bound thread exits, or when
@@ -57,47 +57,49 @@ Fork: a writer belongs to the process that created it. In a forked child (DataLo
 finalizers do nothing, ``close()`` only marks it closed (nothing is joined or freed), and every
 other use raises RuntimeError naming the owner process. ``AsyncCheckpointerType.PROCESS`` is
 refused by ``stage`` (the host cache and threads cannot move to another process).
+
+This module is the protocol: each call above delegates to one concept, in its own module:
+:mod:`dcp_datastates.contexts` (per-thread save contexts and the path claim),
+:mod:`dcp_datastates.jobs` (binding staged jobs to save threads, save order, job completion and
+failure, errors once per channel, telemetry), :mod:`dcp_datastates.placement` (placing one save's
+items in the data files, writing them, the manifest), :mod:`dcp_datastates.capture` (``stage``).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import logging
-import math
 import os
-import sys
 import tempfile
 import threading
 import time
-import uuid
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _core, barrier
-from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
-from .commit import METADATA_FILE, CheckpointDir, claim_and_prepare, manifest_name, release_path
+from . import barrier
+from .capture import SaveJob, Stager
+from .commit import METADATA_FILE, CheckpointDir
 from .config import CaptureMode, WriterConfig, parse_size
-from .engine import Engine, engine_time_to_perf
+from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
+from .engine import Engine
 from .errors import CheckpointSaveError
-from .fsspec_sink import SinkItem, write_sequential
-from .layout import FileLayout, TemplateCache, data_file_name
-from .manifest import ItemRecord, RankManifest
-from .stats import SaveStats
+from .jobs import (
+    Binding,
+    JobTable,
+    StagedStateDict,
+    async_save_uses_process_executor,
+    current_executor_future,
+    release_cb,
+    track_future,
+)
+from .layout import TemplateCache
+from .placement import Placer
 
 logger = logging.getLogger(__name__)
 
@@ -107,206 +109,10 @@ except ImportError:  # pragma: no cover - older torch
     CURRENT_DCP_VERSION = "1.0.0"  # type: ignore[misc]
 
 
-@dataclass
-class _Context:
-    """Protocol state of one save in one thread (DCP drives a save from a single thread)."""
-
-    path: str
-    rank: int = 0
-    coordinator: bool = True
-    use_collectives: bool = True
-    save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    job: SaveJob | None = None  # the staged job this save thread carries (None: dcp.save)
-    path_key: str | None = None  # set while this context holds the path claim
-    meta_taken: bool = False  # storage_meta() ran: the next storage_meta() begins a new save
-    finished: bool = False  # finish() ran (coordinator) or the context ended
-    ended: bool = False
-
-
-class _ContextHolder:
-    """Lives in thread-local storage; its finalizer ends the context when the thread exits."""
-
-    def __init__(self, ctx: _Context) -> None:
-        self.ctx = ctx
-
-
-class _Binding:
-    """Lives in a save thread's thread-local storage while that thread carries a staged job.
-
-    Its finalizer (thread exit, or replacement by the next job bound to the same thread)
-    releases the job: the thread's DCP protocol is over.
-    """
-
-    def __init__(self, job: SaveJob) -> None:
-        self.job = job
-
-
-def _end_context_cb(writer_ref: weakref.ref[DataStatesWriter], ctx: _Context, pid: int) -> None:
-    """Finalizer of a _ContextHolder. Holds the writer weakly, so the writer can be collected."""
-    if os.getpid() != pid:
-        return  # a forked child: the context belongs to a parent thread
-    w = writer_ref()
-    if w is not None:
-        w._end_context(ctx)
-    elif ctx.path_key is not None:
-        release_path(ctx.path_key)
-        ctx.path_key = None
-
-
-def _release_cb(
-    writer_ref: weakref.ref[DataStatesWriter], job: SaveJob, pid: int, why: str,
-    cause: BaseException | None = None,
-) -> None:
-    """Finalizer/callback that ends a staged job's protocol (never in a forked child)."""
-    if os.getpid() != pid:
-        return
-    w = writer_ref()
-    if w is not None:
-        w._release_job(job, why, cause)
-
-
-def _future_exception(fut: concurrent.futures.Future[Any]) -> BaseException | None:
-    """The exception of a done future, read without marking it seen."""
-    if fut.cancelled():
-        return concurrent.futures.CancelledError("the save was cancelled")
-    return concurrent.futures.Future.exception(fut, timeout=0)
-
-
-class _SeenTrackingFuture(concurrent.futures.Future):  # type: ignore[type-arg]
-    """The class a save's executor future is switched to: it notes ``exception()`` reads.
-
-    An error returned by ``exception()`` is not raised again at the next barrier. (An error
-    raised by ``result()`` is recognised from its traceback instead, see _raised_by_result, as
-    ``result()`` may already be waiting when the switch happens.) Otherwise the base class.
-    """
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        exc = super().exception(timeout)
-        if exc is not None:
-            cb = self.__dict__.get("_dcpds_on_seen")
-            if cb is not None:
-                cb()
-        return exc
-
-
-_FUTURES_BASE = os.path.join("concurrent", "futures", "_base.py")
-
-
-def _raised_by_result(exc: BaseException | None) -> bool:
-    """True if ``exc`` was raised to a caller by ``concurrent.futures.Future.result()``.
-
-    Raising an exception again prepends the raising frames to its traceback, so a future's
-    exception that went through ``result()`` carries that frame; one never read does not.
-    """
-    tb = exc.__traceback__ if exc is not None else None
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name in ("result", "__get_result") and code.co_filename.endswith(_FUTURES_BASE):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _current_executor_future() -> concurrent.futures.Future[Any] | None:
-    """The future of the ``concurrent.futures`` work item running in this thread, if any.
-
-    DCP's thread executor runs each save as a work item whose frame (``_WorkItem.run``) holds
-    the future that ``async_save`` returned. None when the save runs any other way.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "run":
-            fut = getattr(frame.f_locals.get("self"), "future", None)
-            if isinstance(fut, concurrent.futures.Future):
-                return fut
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
-def _async_save_uses_process_executor() -> bool:
-    """True when stage() is being called by ``dcp.async_save(..., PROCESS)``."""
-    try:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    except ImportError:  # pragma: no cover - older torch
-        return False
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "async_save":
-            kind = frame.f_locals.get("async_checkpointer_type")
-            return bool(kind == AsyncCheckpointerType.PROCESS)
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def _staged_collected(
-    writer_ref: weakref.ref[DataStatesWriter], job: SaveJob, pid: int
-) -> None:
-    """Finalizer of a _StagedStateDict: a job no save thread ever bound is released."""
-    if os.getpid() != pid or job.thread is not None:
-        return
-    w = writer_ref()
-    if w is not None:
-        logger.warning(
-            "a staged state dict was discarded before any save used it; its copies are dropped"
-        )
-        w._release_job(job, "its staged state dict was discarded before any save used it",
-                       quiet=True)
-
-
-def _describe_cause(cause: BaseException) -> str:
-    """One line naming an exception; for DCP's CheckpointException, the first rank's failure."""
-    failures = getattr(cause, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner = failures[rank]
-        inner = inner[0] if isinstance(inner, tuple) and inner else inner
-        if isinstance(inner, BaseException):
-            return f"rank {rank}: {_describe_cause(inner)}"
-        return str(inner)
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
-
-
 def _close_engine(engine: Engine, pid: int) -> None:
     """Finalizer of a DataStatesWriter: stops its threads and frees its cache (leaks in a child)."""
     if os.getpid() == pid:
         engine.close()
-
-
-class _StagedStateDict(dict):  # type: ignore[type-arg]
-    """The staged dict ``stage()`` returns: it tells the writer which thread saves which job.
-
-    ``dcp.async_save`` hands it to a background thread whose first use of it, before any
-    storage-writer call that needs to know, is ``dcp.save``'s ``_stateful_to_state_dict``
-    iterating ``items()``. That first iteration in a thread other than the staging one binds
-    that thread to this save job, so consecutive saves can be ordered identically on every rank.
-    If it is collected without ever being bound, its job is released (failed and dropped).
-    It cannot be pickled (``AsyncCheckpointerType.PROCESS`` is not supported).
-    """
-
-    def __init__(self, data: dict[str, Any], writer: DataStatesWriter, job: SaveJob) -> None:
-        super().__init__(data)
-        self._writer_ref = weakref.ref(writer)
-        self._job = job
-        self._stage_thread = threading.get_ident()
-        weakref.finalize(self, _staged_collected, self._writer_ref, job, writer._pid)
-
-    def items(self):  # type: ignore[no-untyped-def,override]
-        ident = threading.get_ident()
-        if ident != self._stage_thread:
-            w = self._writer_ref()
-            if w is not None:
-                w._bind_thread(ident, self._job)
-        return super().items()
-
-    def __reduce__(self) -> Any:
-        raise TypeError(
-            "a DataStatesWriter staged state dict cannot be pickled: its data lives in this "
-            "process's host cache. Use dcp.async_save with the default thread executor, not "
-            "AsyncCheckpointerType.PROCESS."
-        )
 
 
 class ProtectHandle:
@@ -424,16 +230,11 @@ class DataStatesWriter(StorageWriter):
                 raise
         self._stager = Stager(self._engine, self.config.capture, _spill_dirs(self.path))
         self._templates = TemplateCache()
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        self._jobs: list[SaveJob] = []  # staged or running jobs, oldest first
-        self._by_staged: dict[int, SaveJob] = {}
-        self._thread_jobs: dict[int, SaveJob] = {}  # save thread -> the staged job it carries
+        self._placer = Placer(self._engine, self._templates, self._stager, self.config)
+        self._table = JobTable(self._engine)  # jobs in flight, their order, failures, stats
+        self._lock = self._table.lock  # also guards _protects
         self._protects: list[ProtectHandle] = []
-        self._unreported: collections.deque[SaveJob] = collections.deque()
-        self._future_errors: dict[int, BaseException] = {}  # id(job in _unreported) -> its error
-        self._stats: collections.deque[SaveStats] = collections.deque(maxlen=1000)
-        self._tls = threading.local()
+        self._tls = threading.local()  # per save thread: its context holder and job binding
         self._closed = False
         weakref.finalize(self, _close_engine, self._engine, self._pid)
         barrier.register_writer(self)
@@ -481,13 +282,11 @@ class DataStatesWriter(StorageWriter):
         """
         self._check_owner()
         deadline = None if timeout is None else time.perf_counter() + timeout
-        with self._lock:
-            jobs = [j for j in self._jobs if not j.verified]
-        for job in jobs:
+        for job in self._table.unverified():
             remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            if not self._barrier_one(job, remaining):
+            if not self._table.barrier_one(job, remaining, path=self.path):
                 return False
-        self._raise_unreported()
+        self._table.raise_unreported()
         return True
 
     def _step_barrier(self, optimizer: torch.optim.Optimizer) -> None:
@@ -500,11 +299,9 @@ class DataStatesWriter(StorageWriter):
         if self._closed or not self.config.step_barrier:
             return
         ids = barrier.owner_ids(optimizer)
-        with self._lock:
-            jobs = [j for j in self._jobs if not j.verified and not j.finished and j.waits_for(ids)]
-        for job in jobs:
+        for job in self._table.waiting_for(ids):
             try:
-                self._barrier_one(job, None, report=False)
+                self._table.barrier_one(job, None, report=False, path=self.path)
             except CheckpointSaveError as e:  # pragma: no cover - report=False does not raise
                 logger.warning("%s", e)
 
@@ -517,25 +314,18 @@ class DataStatesWriter(StorageWriter):
         """
         if not self._wait_idle(timeout):
             return False
-        self._raise_unreported()
+        self._table.raise_unreported()
         return True
 
     def _wait_idle(self, timeout: float | None) -> bool:
         self._check_owner()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._jobs:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._table.wait_idle(timeout)
 
     def save_stats(self) -> list[dict[str, Any]]:
         """Telemetry of the recent saves on this rank (oldest first), as dicts (see SaveStats)."""
         self._check_owner()
         with self._lock:
-            return [s.as_dict() for s in self._stats]
+            return [s.as_dict() for s in self._table.stats]
 
     def engine_counters(self) -> dict[str, int]:
         """Host cache use, live jobs, open files and queue lengths (for monitoring and tests)."""
@@ -560,7 +350,7 @@ class DataStatesWriter(StorageWriter):
             return
         self._wait_idle(None)
         try:
-            self._raise_unreported()
+            self._table.raise_unreported()
         except CheckpointSaveError as e:  # close() never raises for a save: it says so
             logger.error("a save failed and its error was never read: %s", e)
         with self._lock:
@@ -597,7 +387,7 @@ class DataStatesWriter(StorageWriter):
         """
         self._check_open()
         self._refuse_process_executor()
-        self._log_unseen_failures()
+        self._table.log_unseen_failures()
         owners: dict[int, int] = {}
         if self.config.capture in ("auto", "owned"):
             with self._lock:
@@ -606,14 +396,11 @@ class DataStatesWriter(StorageWriter):
                 opts += barrier.known_optimizers()
             owners = barrier.owned_storages(opts)
         staged, job = self._stager.stage(state_dict, owners)
-        with self._lock:
-            self._jobs.append(job)
-            for key in job.by_staged_id:
-                self._by_staged[key] = job
-        return _StagedStateDict(staged, self, job)
+        self._table.add_staged(job)
+        return StagedStateDict(staged, self, job)
 
     def _refuse_process_executor(self) -> None:
-        if _async_save_uses_process_executor():
+        if async_save_uses_process_executor():
             raise ValueError(
                 "DataStatesWriter does not support dcp.async_save(async_checkpointer_type="
                 "AsyncCheckpointerType.PROCESS): its host cache and native threads live in this "
@@ -624,10 +411,8 @@ class DataStatesWriter(StorageWriter):
         """Binds a staged job to the save thread that iterates its staged dict (see the module
         docstring); arranges for the job to be released when that save ends, whatever happens."""
         with self._lock:
-            if job.thread is not None or job.finished or job.protocol_done:
+            if not self._table.claim_thread(ident, job):
                 return
-            job.thread = ident
-            self._thread_jobs[ident] = job
             holder = getattr(self._tls, "holder", None)
             if job.checkpoint_id is None:
                 ctx = holder.ctx if holder is not None and not holder.ctx.finished else None
@@ -635,65 +420,12 @@ class DataStatesWriter(StorageWriter):
             if job.rank < 0:
                 job.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         wref = weakref.ref(self)
-        binding = _Binding(job)
-        weakref.finalize(binding, _release_cb, wref, job, self._pid, "its save thread ended")
+        binding = Binding(job)
+        weakref.finalize(binding, release_cb, wref, job, self._pid, "its save thread ended")
         self._tls.binding = binding  # replaces (and so releases) a previous job of this thread
-        fut = _current_executor_future()
-        if fut is None:
-            return
-
-        def on_seen() -> None:
-            w = wref()
-            if w is not None:
-                w._error_seen(job)
-
-        try:
-            fut._dcpds_on_seen = on_seen  # type: ignore[attr-defined]
-            if type(fut) is concurrent.futures.Future:
-                fut.__class__ = _SeenTrackingFuture
-        except (AttributeError, TypeError):  # pragma: no cover - an exotic future
-            pass
-        pid = self._pid
-        fut.add_done_callback(
-            lambda f: _release_cb(wref, job, pid, "its save ended", _future_exception(f))
-        )
-
-    def _error_seen(self, job: SaveJob) -> None:
-        """The caller read this job's error from its future: the barrier will not raise it."""
-        with self._lock:
-            job.error_reported = True
-            self._future_errors.pop(id(job), None)
-            if job in self._unreported:
-                self._unreported.remove(job)
-
-    def _release_job(
-        self, job: SaveJob, why: str, cause: BaseException | None = None, quiet: bool = False
-    ) -> None:
-        """Ends a staged job's protocol: fails it if its data was never written, drops it.
-
-        ``quiet``: nobody is waiting for that save's outcome; the barrier does not raise it.
-        """
-        with self._lock:
-            if job.protocol_done:
-                return
-            if quiet:
-                job.error_reported = True
-            job.protocol_done = True  # its DCP protocol (collectives included) is over
-            if job.thread is not None and self._thread_jobs.get(job.thread) is job:
-                del self._thread_jobs[job.thread]
-        if not job.finished:
-            msg = (
-                f"save to {job.checkpoint_id or self.path or '<no path>'} failed on rank "
-                f"{max(job.rank, 0)} before its data was written ({why})"
-            )
-            if cause is not None:
-                msg += f": {_describe_cause(cause)}"
-            self._fail_job(job, CheckpointSaveError(msg))
-        if cause is not None:
-            with self._lock:
-                if job in self._unreported:  # the barrier checks whether result() raised it
-                    self._future_errors[id(job)] = cause
-        self._drop_job(job)
+        fut = current_executor_future()
+        if fut is not None:
+            track_future(fut, wref, job, self._pid)
 
     def synchronize_staging(self) -> None:
         """Same as :meth:`wait_captured` (for code written against the AsyncStager protocol)."""
@@ -726,10 +458,9 @@ class DataStatesWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._check_open()
         ctx = self._context()
-        with self._lock:
-            # Adopt the staged job first, so that a refusal below still ends it (the binding
-            # releases it when this save ends).
-            ctx.job = self._thread_jobs.get(threading.get_ident())
+        # Adopt the staged job first, so that a refusal below still ends it (the binding
+        # releases it when this save ends).
+        ctx.job = self._table.job_of_thread(threading.get_ident())
         ctx.coordinator = is_coordinator
         ctx.rank = int(kwargs.get("rank", args[0] if args else 0) or 0)
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -741,15 +472,9 @@ class DataStatesWriter(StorageWriter):
                 )
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
-        with self._idle:
-            # One save's protocol (with its collectives) at a time, in the order of the save
-            # calls, identically on every rank: wait for every earlier staged save to end.
-            limit = ctx.job.seq if ctx.job is not None else None
-            while any(
-                not j.protocol_done and not j.adhoc and (limit is None or j.seq < limit)
-                for j in self._jobs
-            ):
-                self._idle.wait()
+        # One save's protocol (with its collectives) at a time, in the order of the save
+        # calls, identically on every rank: wait for every earlier staged save to end.
+        self._table.wait_turn(ctx.job)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:
@@ -775,7 +500,8 @@ class DataStatesWriter(StorageWriter):
             self._claim_and_prepare(ctx)  # no global plan step (single rank): prepare here
         job = self._bind_job(ctx, plan, planner)
         try:
-            results = self._write(ctx, job, plan, planner)
+            results = self._placer.write(ctx, job, plan, planner)
+            self._table.finish_job(job, ctx.rank)
         except BaseException as e:
             if isinstance(job.error, CheckpointSaveError):
                 # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
@@ -785,7 +511,7 @@ class DataStatesWriter(StorageWriter):
             err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
                 f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
             )
-            self._fail_job(job, err)
+            self._table.fail_job(job, err)
             self._release_claim(ctx)  # a later save to this path must not find it busy
             if err is e:
                 raise
@@ -804,40 +530,32 @@ class DataStatesWriter(StorageWriter):
             metadata.storage_data = storage_md
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
             CheckpointDir(ctx.path).commit(metadata, self.config.durable)
-            self._mark_committed(ctx.path, time.perf_counter())
+            self._table.mark_committed(ctx.path, time.perf_counter())
         finally:
             ctx.finished = True
             self._release_claim(ctx)
 
-    def _mark_committed(self, checkpoint_id: str, t: float) -> None:
-        with self._lock:
-            for s in reversed(self._stats):
-                if s.checkpoint_id == checkpoint_id and math.isnan(s.t_committed):
-                    s.t_committed = t
-                    s.committed_s = t - s.t_stage
-                    return
-
     # ------------------------------------------------------------------------------------------
     # Save contexts (one per save, per thread)
-    def _begin_context(self, path: str) -> _Context:
+    def _begin_context(self, path: str) -> SaveContext:
         old = getattr(self._tls, "holder", None)
         if old is not None:
             self._end_context(old.ctx)
-        ctx = _Context(path=path)
-        holder = _ContextHolder(ctx)
+        ctx = SaveContext(path=path)
+        holder = ContextHolder(ctx)
         # The finalizer holds the writer weakly: a strong reference (a bound method) would keep
         # every writer used from a long-lived thread alive forever, cache and threads included.
-        weakref.finalize(holder, _end_context_cb, weakref.ref(self), ctx, self._pid)
+        weakref.finalize(holder, end_context_cb, weakref.ref(self), ctx, self._pid)
         self._tls.holder = holder
         return ctx
 
-    def _context(self) -> _Context:
+    def _context(self) -> SaveContext:
         holder = getattr(self._tls, "holder", None)
         if holder is None or holder.ctx.finished:
             return self._begin_context(self.path)
         return holder.ctx
 
-    def _end_context(self, ctx: _Context) -> None:
+    def _end_context(self, ctx: SaveContext) -> None:
         """Runs when a save context is replaced or its thread exits: undoes what it left open.
 
         A staged job is released by its binding (see _bind_thread), not here; a dcp.save job
@@ -849,7 +567,7 @@ class DataStatesWriter(StorageWriter):
         self._release_claim(ctx)
         job = ctx.job
         if job is not None and job.adhoc and not job.finished:
-            self._fail_job(
+            self._table.fail_job(
                 job,
                 CheckpointSaveError(
                     f"save to {ctx.path} failed on rank {ctx.rank} before its data was written"
@@ -857,27 +575,22 @@ class DataStatesWriter(StorageWriter):
             )
         ctx.finished = True
 
-    def _claim_and_prepare(self, ctx: _Context) -> None:
-        # In-process and cross-process (marker flock) claim, then the overwritten checkpoint's
-        # files go; on failure the claim is released inside (commit.claim_and_prepare).
-        ctx.path_key = claim_and_prepare(CheckpointDir(ctx.path), self.config.durable)
+    def _claim_and_prepare(self, ctx: SaveContext) -> None:
+        claim_path(ctx, self.config.durable)
 
-    def _release_claim(self, ctx: _Context) -> None:
-        if ctx.path_key is not None:
-            release_path(ctx.path_key)
-            ctx.path_key = None
+    def _release_claim(self, ctx: SaveContext) -> None:
+        release_claim(ctx)
 
     # ------------------------------------------------------------------------------------------
     # Binding a DCP plan to a save job
-    def _bind_job(self, ctx: _Context, plan: SavePlan, planner: SavePlanner) -> SaveJob:
+    def _bind_job(self, ctx: SaveContext, plan: SavePlan, planner: SavePlanner) -> SaveJob:
         job = ctx.job
         if job is None:
             # dcp.save (no stage): a job whose tensors are captured as their items are placed.
             job = SaveJob(engine_job=self._engine.create_job("sync-save"), seq=0, adhoc=True)
             job.t_stage = time.perf_counter()
             ctx.job = job
-            with self._lock:
-                self._jobs.append(job)
+            self._table.add_adhoc(job)
         elif job.bound:
             raise CheckpointSaveError(f"save to {ctx.path}: the staged state was written twice")
         job.bound = True
@@ -885,318 +598,17 @@ class DataStatesWriter(StorageWriter):
         job.rank = ctx.rank
         return job
 
-    def _write(
-        self, ctx: _Context, job: SaveJob, plan: SavePlan, planner: SavePlanner
-    ) -> list[WriteResult]:
-        d = CheckpointDir(ctx.path)
-        d.ensure_exists()
-        eng = self._engine
-        nfiles = self.config.files_per_rank if d.local else 1
-        layout = FileLayout(nfiles, 4096 if self.config.o_direct else 64)
-        staged_sd = getattr(planner, "state_dict", None)
-        file_ids: dict[int, int] = {}
-        sink: dict[int, list[SinkItem]] = collections.defaultdict(list)
-        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]] = []
-        results: list[WriteResult] = []
-        bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
-        spilled: list[tuple[CapturedTensor, int, int, int, Any]] = []
-        added_late = False
-
-        def fid(f: int) -> int:
-            if f not in file_ids:
-                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(ctx.rank, f)))
-            return file_ids[f]
-
-        # Tensor items in the order their bytes land: those copied at the save call first (they
-        # are in the cache already), then the background copies in queue (entry) order; bytes
-        # items last. A sequential consumer (the fsspec path) must never wait for a chunk that
-        # cannot land because the cache is full of chunks it will only read later.
-        def order(item: WriteItem) -> tuple[int, int, int]:
-            if item.type == WriteItemType.BYTE_IO:
-                return (2, 0, 0)
-            cap = self._lookup(job, staged_sd, item)
-            if cap is None:
-                return (1, 1, 0)
-            return (0, 0 if cap.at_call else 1, cap.entry)
-
-        for item in sorted(plan.items, key=order):
-            if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
-                f, off = layout.place_bytes(len(raw))
-                if d.local:
-                    eng.write_bytes(job.engine_job, fid(f), off, raw)
-                else:
-                    sink[f].append(SinkItem(offset=off, data=raw))
-                bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
-                results.append(_result(item, data_file_name(ctx.rank, f), off, len(raw)))
-                continue
-            cap = self._lookup(job, staged_sd, item)
-            if cap is None:
-                cap = self._capture_late(job, item, planner)
-                added_late = True
-            chunk_sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
-            if chunk_sizes != cap.shape:
-                raise CheckpointSaveError(
-                    f"save to {ctx.path}: '{item.index.fqn}' planned with shape {chunk_sizes} but "
-                    f"captured with shape {cap.shape}"
-                )
-            tmpl = self._templates.get(cap.dtype, cap.shape)
-            f, start, payload = layout.place_tensor(tmpl)
-            if cap.spill is not None and d.local:
-                fid(f)  # the engine creates (and later syncs) the data file
-                spilled.append((cap, f, start, payload, tmpl))
-            elif cap.spill is not None:
-                sink[f].append(
-                    SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
-                             suffix=tmpl.suffix, spill=cap.spill)
-                )
-            elif d.local:
-                eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
-            else:
-                eng.place_external(job.engine_job, cap.entry)
-                sink[f].append(
-                    SinkItem(
-                        offset=start,
-                        entry=cap.entry,
-                        prefix=tmpl.prefix,
-                        suffix=tmpl.suffix,
-                    )
-                )
-            placed.append((item, cap, f, start, payload))
-            results.append(_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes))
-        if added_late:
-            eng.start_copies(job.engine_job)
-        ext_records: list[tuple[int, int, int, int, int, int]] = []
-        for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
-            fd = os.open(
-                d.join(data_file_name(ctx.rank, f)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-            )
-            try:
-                os.pwrite(fd, tmpl.prefix, start)
-                assert cap.spill is not None
-                cap.spill.copy_to(fd, payload)
-                os.pwrite(fd, tmpl.suffix, payload + cap.nbytes)
-            finally:
-                os.close(fd)
-            ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
-        eng.seal(job.engine_job)
-
-        for f, items in sink.items():
-            for e, c, off, n, crc in write_sequential(
-                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items
-            ):
-                ext_records.append((e, c, f, off, n, crc))
-
-        # Capture: all copies landed; then the exactness check (unless a barrier did it).
-        eng.wait_captured(job.engine_job)
-        with job.lock:
-            if not job.verified:
-                raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
-                job.verified = True
-            job.release_sources()
-        eng.wait_done(job.engine_job)
-
-        manifest = self._manifest(ctx, job, placed, bytes_crcs, ext_records)
-        d.write_atomic(manifest_name(ctx.rank), manifest.to_json().encode(), self.config.durable)
-        self._finish_job(job, ctx)
-        return results
-
-    def _lookup(
-        self, job: SaveJob, staged_sd: Any, item: WriteItem
-    ) -> CapturedTensor | None:
-        if not isinstance(staged_sd, dict):
-            return job.by_staged_id.get(id(item))
-        obj = staged_sd.get(item.index.fqn)
-        cap = job.lookup(obj) if obj is not None else None
-        if cap is None:
-            cap = job.by_staged_id.get(id(item))  # captured late, keyed by the item
-        return cap
-
-    def _capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:
-        """Captures an item the staged state does not know (dcp.save, or custom planners)."""
-        if not job.adhoc:
-            logger.warning(
-                "'%s' was not captured at save time (custom planner?); it is copied now, when "
-                "its data is written",
-                item.index.fqn,
-            )
-        data = planner.resolve_data(item)
-        if not isinstance(data, torch.Tensor):
-            raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(data)!r}")
-        cap = self._stager.stage_tensor(job, item.index.fqn, data)
-        job.by_staged_id.pop(id(cap.staged), None)
-        job.by_staged_id[id(item)] = cap
-        cap.staged = item
-        return cap
-
-    def _manifest(
-        self,
-        ctx: _Context,
-        job: SaveJob,
-        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]],
-        bytes_crcs: list[tuple[WriteItem, int, int, int, int]],
-        ext_records: list[tuple[int, int, int, int, int, int]],
-    ) -> RankManifest:
-        by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        for e, _c, _file, off, _entry_off, n, crc in self._engine.chunk_records(job.engine_job):
-            by_entry[e].append((off, n, crc))  # the file is implied by the item's placement
-        for e, _c, _f, off, n, crc in ext_records:
-            by_entry[e].append((off, n, crc))
-        items: list[ItemRecord] = []
-        for item, cap, f, start, payload in placed:
-            tmpl = self._templates.get(cap.dtype, cap.shape)
-            items.append(
-                ItemRecord(
-                    fqn=item.index.fqn,
-                    offset=list(item.index.offset) if item.index.offset is not None else None,
-                    file=data_file_name(ctx.rank, f),
-                    archive_offset=start,
-                    archive_length=tmpl.total_bytes,
-                    payload_offset=payload,
-                    payload_bytes=cap.nbytes,
-                    dtype=str(cap.dtype).replace("torch.", ""),
-                    shape=list(cap.shape),
-                    chunks=sorted(by_entry.get(cap.entry, [])),
-                )
-            )
-        for item, f, off, n, crc in bytes_crcs:
-            items.append(
-                ItemRecord(
-                    fqn=item.index.fqn,
-                    offset=None,
-                    file=data_file_name(ctx.rank, f),
-                    archive_offset=off,
-                    archive_length=n,
-                    payload_offset=off,
-                    payload_bytes=n,
-                    dtype="bytes",
-                    shape=[],
-                    chunks=[(off, n, crc)],
-                )
-            )
-        return RankManifest(
-            rank=ctx.rank,
-            checksums=self.config.checksums,
-            save_id=ctx.save_id,
-            items=items,
-        )
-
     # ------------------------------------------------------------------------------------------
-    # Job completion, failure, barrier
-    def _finish_job(self, job: SaveJob, ctx: _Context) -> None:
-        st = self._engine.stats(job.engine_job)
-        with job.lock:
-            job.finished = True
-            self._engine.forget(job.engine_job)
-            job.release_sources(done=True)
-        self._record_stats(job, ctx.rank, st)
-        if job.adhoc:
-            self._drop_job(job)  # dcp.save: its caller is the only one waiting
+    # Callbacks of the job table's finalizers and futures (they hold the writer weakly)
+    def _error_seen(self, job: SaveJob) -> None:
+        """The caller read this job's error from its future: the barrier will not raise it."""
+        self._table.error_seen(job)
 
-    def _fail_job(self, job: SaveJob, err: CheckpointSaveError) -> None:
-        # Abort first, without job.lock: a barrier may hold it while waiting for this job.
-        if not job.finished:
-            self._engine.abort(job.engine_job, str(err))
-        with job.lock:
-            if job.finished:
-                return
-            job.error = err
-            self._engine.abort(job.engine_job, str(err))
-            st = self._engine.stats(job.engine_job)
-            self._engine.forget(job.engine_job)  # waits until no native thread holds its chunks
-            job.finished = True
-            job.release_sources(done=True)
-        self._record_stats(job, job.rank, st)
-        with self._lock:
-            if job.adhoc:
-                job.error_reported = True  # dcp.save raised it to its caller
-            if not job.error_reported:
-                self._unreported.append(job)
-        if job.adhoc:
-            self._drop_job(job)
-
-    def _drop_job(self, job: SaveJob) -> None:
-        with self._idle:
-            if job in self._jobs:
-                self._jobs.remove(job)
-            for key in list(job.by_staged_id):
-                if self._by_staged.get(key) is job:
-                    del self._by_staged[key]
-            self._idle.notify_all()
-
-    def _barrier_one(self, job: SaveJob, timeout: float | None, report: bool = True) -> bool:
-        t0 = time.perf_counter()
-        try:
-            with job.lock:
-                if job.finished or job.verified:
-                    return True
-                was_captured = self._engine.is_captured(job.engine_job)
-                if not self._engine.wait_captured(job.engine_job, timeout):
-                    return False  # the time waited is added in `finally`
-                if job.captured_before_barrier is None:
-                    job.captured_before_barrier = was_captured
-                raise_if_modified(job, job.checkpoint_id or self.path or "<checkpoint>")
-                job.verified = True
-                job.release_sources()
-        except CheckpointSaveError as e:
-            self._fail_job(job, e)
-            if not report:
-                logger.warning("%s", e)
-                return True
-            self._error_seen(job)  # raised here, at the barrier
-            raise
-        finally:
-            job.blocked_s += time.perf_counter() - t0
-        return True
-
-    def _log_unseen_failures(self) -> None:
-        """Logs (once each) failed saves nobody has seen yet; the new save is not affected."""
-        with self._lock:
-            jobs = [j for j in self._unreported if not j.error_logged]
-            for j in jobs:
-                j.error_logged = True
-        for j in jobs:
-            if not _raised_by_result(self._future_errors.get(id(j))):
-                logger.error("an earlier save failed (raised by its future and writer.wait()): "
-                             "%s", j.error)
-
-    def _raise_unreported(self) -> None:
-        """Raises the error of the oldest failed save its caller has not seen yet (if any)."""
-        with self._lock:
-            while self._unreported:
-                job = self._unreported.popleft()
-                job.error_reported = True
-                if _raised_by_result(self._future_errors.pop(id(job), None)):
-                    continue  # the caller got it from the save's future already
-                assert job.error is not None
-                raise job.error
-
-    def _record_stats(self, job: SaveJob, rank: int, st: dict[str, Any]) -> None:
-        t_cap = engine_time_to_perf(st["captured_s"]) if st["captured_s"] >= 0 else math.nan
-        t_done = engine_time_to_perf(st["done_s"]) if st["done_s"] >= 0 else math.nan
-        dur = t_done - job.t_stage
-        s = SaveStats(
-            checkpoint_id=job.checkpoint_id or "",
-            rank=rank,
-            bytes=int(st["bytes_total"]),
-            stage_s=job.stage_s,
-            blocked_s=job.stage_s + job.blocked_s,
-            captured_before_barrier=job.captured_before_barrier,
-            captured_s=t_cap - job.t_stage,
-            done_s=dur,
-            t_stage=job.t_stage,
-            t_captured=t_cap,
-            t_done=t_done,
-            flush_gbps=(st["bytes_written"] / dur / 1e9) if dur > 0 else math.nan,
-            copy_busy_s=float(st["copy_busy_s"]),
-            stall_s=job.stall_s,
-            lazy_bytes=job.lazy_bytes,
-            flush_busy_s=float(st["flush_busy_s"]),
-            error=str(job.error) if job.error is not None else None,
-        )
-        with self._lock:
-            self._stats.append(s)
+    def _release_job(
+        self, job: SaveJob, why: str, cause: BaseException | None = None, quiet: bool = False
+    ) -> None:
+        """Ends a staged job's protocol: fails it if its data was never written, drops it."""
+        self._table.release_job(job, why, cause, quiet, path=self.path)
 
     def _check_owner(self) -> None:
         if os.getpid() != self._pid:
@@ -1220,14 +632,6 @@ def _spill_dirs(path: str) -> list[str]:
         dirs += [base, os.path.dirname(base)]
     dirs.append(tempfile.gettempdir())
     return dirs
-
-
-def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
-    return WriteResult(
-        index=item.index,
-        size_in_bytes=length,
-        storage_data=_StorageInfo(relative_path=relative_path, offset=offset, length=length),
-    )
 
 
 __all__ = ["DataStatesWriter", "ProtectHandle"]

@@ -1,0 +1,83 @@
+"""Save contexts: the DCP protocol state of one save, kept per save thread.
+
+DCP drives one save from one thread (``reset`` .. ``finish``), and several saves may be in flight
+on one writer (one background thread per ``async_save``), so a writer keeps each save's state in a
+thread-local :class:`SaveContext`. This module holds that state, the holder whose finalizer ends a
+context when its thread exits, and the path claim a context takes for its save.
+
+Threads and lifetimes: a context is created, read and ended by its own save thread, except that
+its holder's finalizer may run in whatever thread drops the last reference (thread exit). The
+finalizer holds the writer weakly, so an idle thread-local never keeps a writer (its host cache and
+threads) alive; with the writer gone it still releases the path claim. In a forked child the
+finalizer does nothing (the context belongs to a thread of the parent).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .capture import SaveJob
+from .commit import CheckpointDir, claim_and_prepare, release_path
+
+if TYPE_CHECKING:
+    from .writer import DataStatesWriter
+
+
+@dataclass
+class SaveContext:
+    """Protocol state of one save in one thread (DCP drives a save from a single thread)."""
+
+    path: str
+    rank: int = 0
+    coordinator: bool = True
+    use_collectives: bool = True
+    save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    job: SaveJob | None = None  # the staged job this save thread carries (None: dcp.save)
+    path_key: str | None = None  # set while this context holds the path claim
+    meta_taken: bool = False  # storage_meta() ran: the next storage_meta() begins a new save
+    finished: bool = False  # finish() ran (coordinator) or the context ended
+    ended: bool = False
+
+
+class ContextHolder:
+    """Lives in thread-local storage; its finalizer ends the context when the thread exits."""
+
+    def __init__(self, ctx: SaveContext) -> None:
+        self.ctx = ctx
+
+
+def end_context_cb(
+    writer_ref: weakref.ref[DataStatesWriter], ctx: SaveContext, pid: int
+) -> None:
+    """Finalizer of a ContextHolder. Holds the writer weakly, so the writer can be collected."""
+    if os.getpid() != pid:
+        return  # a forked child: the context belongs to a parent thread
+    w = writer_ref()
+    if w is not None:
+        w._end_context(ctx)
+    elif ctx.path_key is not None:
+        release_path(ctx.path_key)
+        ctx.path_key = None
+
+
+def claim_path(ctx: SaveContext, durable: bool) -> None:
+    """Claims the context's path for its save and clears what an overwritten checkpoint left.
+
+    In-process and cross-process (marker flock) claim, then the overwritten checkpoint's files
+    go; on failure the claim is released inside (commit.claim_and_prepare) and the error raised.
+    """
+    ctx.path_key = claim_and_prepare(CheckpointDir(ctx.path), durable)
+
+
+def release_claim(ctx: SaveContext) -> None:
+    """Releases the context's path claim, if it holds one (idempotent)."""
+    if ctx.path_key is not None:
+        release_path(ctx.path_key)
+        ctx.path_key = None
+
+
+__all__ = ["ContextHolder", "SaveContext", "claim_path", "end_context_cb", "release_claim"]

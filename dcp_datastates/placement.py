@@ -1,0 +1,270 @@
+"""Placement: where one save's items go in this rank's data files, and writing them there.
+
+:class:`Placer` turns a DCP ``SavePlan`` into placed items: each tensor item becomes a
+``torch.save`` archive (template prefix + payload + suffix, :mod:`dcp_datastates.layout`) at an
+aligned offset of one of the rank's data files, each bytes item a raw range. Local directories are
+written by the engine's flush threads as copies land (``place``); spilled snapshots are copied in
+by this thread; other fsspec URLs are streamed by one sequential consumer
+(:mod:`dcp_datastates.fsspec_sink`). Then it waits until everything is captured (checking that no
+lazily captured tensor changed) and durable, and writes the rank's manifest.
+
+Threads and lifetimes: a Placer belongs to one writer and lives as long as it; it holds that
+writer's engine, template cache, stager and configuration, and no state of its own between saves.
+``write`` runs in the save thread of one save; several saves may run it at once for different
+jobs (the engine, the template cache and the stager are thread-safe). It raises on any failure;
+the writer then fails the job, which aborts its engine job and returns its cache space.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import _core
+from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
+from .commit import CheckpointDir, manifest_name
+from .config import WriterConfig
+from .contexts import SaveContext
+from .engine import Engine
+from .errors import CheckpointSaveError
+from .fsspec_sink import SinkItem, write_sequential
+from .layout import FileLayout, TemplateCache, data_file_name
+from .manifest import ItemRecord, RankManifest
+
+logger = logging.getLogger("dcp_datastates.writer")
+
+
+class Placer:
+    """Places and writes the items of one save job (see the module docstring)."""
+
+    def __init__(
+        self, engine: Engine, templates: TemplateCache, stager: Stager, config: WriterConfig
+    ) -> None:
+        self._engine = engine
+        self._templates = templates
+        self._stager = stager
+        self.config = config
+
+    def write(
+        self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
+    ) -> list[WriteResult]:
+        """Places every item of ``plan`` in this rank's data files and writes them; returns
+        their WriteResults once the data is durable and the rank's manifest is written.
+
+        Runs in the save thread. Raises on any failure (the caller fails the job); the job is
+        finished by the caller.
+        """
+        d = CheckpointDir(ctx.path)
+        d.ensure_exists()
+        eng = self._engine
+        nfiles = self.config.files_per_rank if d.local else 1
+        layout = FileLayout(nfiles, 4096 if self.config.o_direct else 64)
+        staged_sd = getattr(planner, "state_dict", None)
+        file_ids: dict[int, int] = {}
+        sink: dict[int, list[SinkItem]] = collections.defaultdict(list)
+        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]] = []
+        results: list[WriteResult] = []
+        bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
+        spilled: list[tuple[CapturedTensor, int, int, int, Any]] = []
+        added_late = False
+
+        def fid(f: int) -> int:
+            if f not in file_ids:
+                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(ctx.rank, f)))
+            return file_ids[f]
+
+        # Tensor items in the order their bytes land: those copied at the save call first (they
+        # are in the cache already), then the background copies in queue (entry) order; bytes
+        # items last. A sequential consumer (the fsspec path) must never wait for a chunk that
+        # cannot land because the cache is full of chunks it will only read later.
+        def order(item: WriteItem) -> tuple[int, int, int]:
+            if item.type == WriteItemType.BYTE_IO:
+                return (2, 0, 0)
+            cap = self.lookup(job, staged_sd, item)
+            if cap is None:
+                return (1, 1, 0)
+            return (0, 0 if cap.at_call else 1, cap.entry)
+
+        for item in sorted(plan.items, key=order):
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+                f, off = layout.place_bytes(len(raw))
+                if d.local:
+                    eng.write_bytes(job.engine_job, fid(f), off, raw)
+                else:
+                    sink[f].append(SinkItem(offset=off, data=raw))
+                bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
+                results.append(write_result(item, data_file_name(ctx.rank, f), off, len(raw)))
+                continue
+            cap = self.lookup(job, staged_sd, item)
+            if cap is None:
+                cap = self.capture_late(job, item, planner)
+                added_late = True
+            chunk_sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
+            if chunk_sizes != cap.shape:
+                raise CheckpointSaveError(
+                    f"save to {ctx.path}: '{item.index.fqn}' planned with shape {chunk_sizes} but "
+                    f"captured with shape {cap.shape}"
+                )
+            tmpl = self._templates.get(cap.dtype, cap.shape)
+            f, start, payload = layout.place_tensor(tmpl)
+            if cap.spill is not None and d.local:
+                fid(f)  # the engine creates (and later syncs) the data file
+                spilled.append((cap, f, start, payload, tmpl))
+            elif cap.spill is not None:
+                sink[f].append(
+                    SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
+                             suffix=tmpl.suffix, spill=cap.spill)
+                )
+            elif d.local:
+                eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
+            else:
+                eng.place_external(job.engine_job, cap.entry)
+                sink[f].append(
+                    SinkItem(
+                        offset=start,
+                        entry=cap.entry,
+                        prefix=tmpl.prefix,
+                        suffix=tmpl.suffix,
+                    )
+                )
+            placed.append((item, cap, f, start, payload))
+            results.append(write_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes))
+        if added_late:
+            eng.start_copies(job.engine_job)
+        ext_records: list[tuple[int, int, int, int, int, int]] = []
+        for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
+            fd = os.open(
+                d.join(data_file_name(ctx.rank, f)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+            try:
+                os.pwrite(fd, tmpl.prefix, start)
+                assert cap.spill is not None
+                cap.spill.copy_to(fd, payload)
+                os.pwrite(fd, tmpl.suffix, payload + cap.nbytes)
+            finally:
+                os.close(fd)
+            ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
+        eng.seal(job.engine_job)
+
+        for f, items in sink.items():
+            for e, c, off, n, crc in write_sequential(
+                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items
+            ):
+                ext_records.append((e, c, f, off, n, crc))
+
+        # Capture: all copies landed; then the exactness check (unless a barrier did it).
+        eng.wait_captured(job.engine_job)
+        with job.lock:
+            if not job.verified:
+                raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
+                job.verified = True
+            job.release_sources()
+        eng.wait_done(job.engine_job)
+
+        manifest = self.manifest(ctx, job, placed, bytes_crcs, ext_records)
+        d.write_atomic(manifest_name(ctx.rank), manifest.to_json().encode(), self.config.durable)
+        return results
+
+    def lookup(
+        self, job: SaveJob, staged_sd: Any, item: WriteItem
+    ) -> CapturedTensor | None:
+        """The captured tensor of a tensor item: by the identity of its object in the staged
+        state dict, else by the item (captured late); None if it was never captured."""
+        if not isinstance(staged_sd, dict):
+            return job.by_staged_id.get(id(item))
+        obj = staged_sd.get(item.index.fqn)
+        cap = job.lookup(obj) if obj is not None else None
+        if cap is None:
+            cap = job.by_staged_id.get(id(item))  # captured late, keyed by the item
+        return cap
+
+    def capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:
+        """Captures an item the staged state does not know (dcp.save, or custom planners)."""
+        if not job.adhoc:
+            logger.warning(
+                "'%s' was not captured at save time (custom planner?); it is copied now, when "
+                "its data is written",
+                item.index.fqn,
+            )
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(data)!r}")
+        cap = self._stager.stage_tensor(job, item.index.fqn, data)
+        job.by_staged_id.pop(id(cap.staged), None)
+        job.by_staged_id[id(item)] = cap
+        cap.staged = item
+        return cap
+
+    def manifest(
+        self,
+        ctx: SaveContext,
+        job: SaveJob,
+        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]],
+        bytes_crcs: list[tuple[WriteItem, int, int, int, int]],
+        ext_records: list[tuple[int, int, int, int, int, int]],
+    ) -> RankManifest:
+        """This rank's manifest: every placed item with its chunk records (offsets, CRCs)."""
+        by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        for e, _c, _file, off, _entry_off, n, crc in self._engine.chunk_records(job.engine_job):
+            by_entry[e].append((off, n, crc))  # the file is implied by the item's placement
+        for e, _c, _f, off, n, crc in ext_records:
+            by_entry[e].append((off, n, crc))
+        items: list[ItemRecord] = []
+        for item, cap, f, start, payload in placed:
+            tmpl = self._templates.get(cap.dtype, cap.shape)
+            items.append(
+                ItemRecord(
+                    fqn=item.index.fqn,
+                    offset=list(item.index.offset) if item.index.offset is not None else None,
+                    file=data_file_name(ctx.rank, f),
+                    archive_offset=start,
+                    archive_length=tmpl.total_bytes,
+                    payload_offset=payload,
+                    payload_bytes=cap.nbytes,
+                    dtype=str(cap.dtype).replace("torch.", ""),
+                    shape=list(cap.shape),
+                    chunks=sorted(by_entry.get(cap.entry, [])),
+                )
+            )
+        for item, f, off, n, crc in bytes_crcs:
+            items.append(
+                ItemRecord(
+                    fqn=item.index.fqn,
+                    offset=None,
+                    file=data_file_name(ctx.rank, f),
+                    archive_offset=off,
+                    archive_length=n,
+                    payload_offset=off,
+                    payload_bytes=n,
+                    dtype="bytes",
+                    shape=[],
+                    chunks=[(off, n, crc)],
+                )
+            )
+        return RankManifest(
+            rank=ctx.rank,
+            checksums=self.config.checksums,
+            save_id=ctx.save_id,
+            items=items,
+        )
+
+
+def write_result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
+    """DCP's WriteResult of an item stored at [offset, offset+length) of relative_path."""
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=_StorageInfo(relative_path=relative_path, offset=offset, length=length),
+    )
+
+
+__all__ = ["Placer", "write_result"]
