@@ -142,6 +142,7 @@ def run_once(spec: MLPRunSpec) -> dict[str, Any]:
     """One run of ``spec`` in this process; returns its JSON-able measurements."""
     from benchmarks.contenders import SaveContext, SaveRecord, make_contender
     from benchmarks.metrics import now, release_memory, rss_bytes, vmhwm_bytes
+    from benchmarks.scenarios import finish_saves, teardown_quietly
     from benchmarks.verify import compare_trees, empty_like_tree
     from benchmarks.workloads import count_tensors, state_bytes
 
@@ -219,13 +220,8 @@ def run_once(spec: MLPRunSpec) -> dict[str, Any]:
                 "vmhwm": vmhwm_bytes(),
             }
         )
-        errors = [r.error for r in records if r.error]
-        if errors:
-            raise RuntimeError(f"{len(errors)} save(s) failed; first: {errors[0]}")
+        finish_saves(c, records, run)
         if c is not None:
-            run["telemetry"] = c.telemetry()
-            c.annotate(records)
-            c.teardown()
             run["saves"] = [r.to_json() for r in records]
             verify = []
             if records:
@@ -254,12 +250,9 @@ def run_once(spec: MLPRunSpec) -> dict[str, Any]:
         run["error"] = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:]
     finally:
         if c is not None:
-            try:
-                c.teardown()
-            except BaseException as e:  # noqa: BLE001 - must not mask the first error
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                run["error"] = run["error"] or f"teardown: {type(e).__name__}: {e}"
+            failed = teardown_quietly(c)
+            if failed and not run["error"]:
+                run["error"] = f"teardown: {failed}"
         if not run["saves"]:
             run["saves"] = [r.to_json() for r in records]
         shutil.rmtree(spec.run_dir, ignore_errors=True)

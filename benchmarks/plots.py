@@ -151,6 +151,41 @@ def _panel_figure(n: int) -> tuple[Any, Any]:
     return fig, axes
 
 
+Items = list[tuple[str, dict[str, Any]]]  # (name, summary) of the contenders that ran
+
+
+def _paired_barh(
+    ax: Axes, items: Items, series: tuple[tuple[str, str, float, str], ...]
+) -> list[int]:
+    """Horizontal bars, one row per contender, one thin bar per ``(key, color, offset, label)``.
+
+    Each bar is the median of ``c[key]`` with min/max error bars; returns the rows' y values.
+    """
+    ys = list(range(len(items)))
+    for key, color, off, lbl in series:
+        med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
+        ax.barh(
+            [y + off for y in ys],
+            med,
+            height=0.36,
+            xerr=[lo, hi],
+            color=color,
+            error_kw={"elinewidth": 0.8, "capsize": 2},
+            label=lbl,
+        )
+    return ys
+
+
+def _style_panel(ax: Axes, ys: list[int], items: Items, title: str, xlabel: str) -> None:
+    """Contender labels top to bottom, a small left-aligned title, an x grid."""
+    ax.set_yticks(ys, [c["label"] for _, c in items], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=8, loc="left")
+    ax.set_xlabel(xlabel, fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
+
+
 def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     """Per scenario: time blocked (dark) and until durable (light), median with min/max."""
     panels = _panels(scenarios)
@@ -164,31 +199,41 @@ def blocked_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
         ax.set_visible(False)
     for ax, scn in zip(axes.flat, panels, strict=False):
         items = _ok(scn["summary"])
-        labels = [c["label"] for _, c in items]
-        ys = list(range(len(items)))
-        for key, color, off, h in (
-            ("durable_s", COLORS["flush"], 0.18, 0.36),
-            ("blocked_s", COLORS["blocked"], -0.18, 0.36),
-        ):
-            med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
-            ax.barh(
-                [y + off for y in ys],
-                med,
-                height=h,
-                xerr=[lo, hi],
-                color=color,
-                error_kw={"elinewidth": 0.8, "capsize": 2},
-                label="until durable" if key == "durable_s" else "blocked",
-            )
+        ys = _paired_barh(
+            ax,
+            items,
+            (
+                ("durable_s", COLORS["flush"], 0.18, "until durable"),
+                ("blocked_s", COLORS["blocked"], -0.18, "blocked"),
+            ),
+        )
         vals = [c[k]["median"] for _, c in items for k in ("blocked_s", "durable_s") if c[k]]
         if vals and min(vals) > 0 and max(vals) / min(vals) > 50:
             ax.set_xscale("log")
-        ax.set_yticks(ys, labels, fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(scn["name"], fontsize=8, loc="left")
-        ax.tick_params(axis="x", labelsize=7)
-        ax.set_xlabel("seconds per checkpoint", fontsize=7)
-        ax.grid(axis="x", alpha=0.3)
+        _style_panel(ax, ys, items, scn["name"], "seconds per checkpoint")
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _paired_panels(
+    panels: list[dict[str, Any]],
+    series: tuple[tuple[str, str, float, str], ...],
+    title: str,
+    xlabel: str,
+    path: str,
+) -> str:
+    """One panel per scenario of :func:`_paired_barh` bars around a zero line; writes ``path``.
+
+    ``title`` is formatted with the scenario's ``name``.
+    """
+    fig, axes = _panel_figure(len(panels))
+    for ax, scn in zip(axes.flat, panels, strict=False):
+        items = _ok(scn["summary"])
+        ys = _paired_barh(ax, items, series)
+        ax.axvline(0, color="black", lw=0.6)
+        _style_panel(ax, ys, items, title.format(name=scn["name"]), xlabel)
     axes.flat[0].legend(fontsize=7, loc="lower right")
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -200,36 +245,11 @@ def slowdown_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     panels = _panels(scenarios, "training")
     if not panels:
         return None
-    fig, axes = _panel_figure(len(panels))
-    for ax, scn in zip(axes.flat, panels, strict=False):
-        items = _ok(scn["summary"])
-        labels = [c["label"] for _, c in items]
-        ys = list(range(len(items)))
-        for key, color, off, lbl in (
-            ("slowdown_until_durable_pct", COLORS["flush"], 0.18, "incl. drain to durable"),
-            ("slowdown_pct", COLORS["blocked"], -0.18, "training loop"),
-        ):
-            med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
-            ax.barh(
-                [y + off for y in ys],
-                med,
-                height=0.36,
-                xerr=[lo, hi],
-                color=color,
-                error_kw={"elinewidth": 0.8, "capsize": 2},
-                label=lbl,
-            )
-        ax.axvline(0, color="black", lw=0.6)
-        ax.set_yticks(ys, labels, fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(scn["name"], fontsize=8, loc="left")
-        ax.set_xlabel("slowdown vs. no checkpointing, %", fontsize=7)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.grid(axis="x", alpha=0.3)
-    axes.flat[0].legend(fontsize=7, loc="lower right")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    series = (
+        ("slowdown_until_durable_pct", COLORS["flush"], 0.18, "incl. drain to durable"),
+        ("slowdown_pct", COLORS["blocked"], -0.18, "training loop"),
+    )
+    return _paired_panels(panels, series, "{name}", "slowdown vs. no checkpointing, %", path)
 
 
 def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
@@ -248,12 +268,7 @@ def throughput_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
             method = scn["summary"].get("disk_method") or "dd"
             ax.axvline(dd["median"], color=COLORS["dd"], ls="--", lw=1, label=f"raw: {method}")
             ax.legend(fontsize=7, loc="lower right")
-        ax.set_yticks(ys, [c["label"] for _, c in items], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(scn["name"], fontsize=8, loc="left")
-        ax.set_xlabel("checkpoint bytes / time until durable, GB/s", fontsize=7)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.grid(axis="x", alpha=0.3)
+        _style_panel(ax, ys, items, scn["name"], "checkpoint bytes / time until durable, GB/s")
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -264,35 +279,12 @@ def mlp_cost_bars(scenarios: list[dict[str, Any]], path: str) -> str | None:
     panels = _panels(scenarios, "mlp")
     if not panels:
         return None
-    fig, axes = _panel_figure(len(panels))
-    for ax, scn in zip(axes.flat, panels, strict=False):
-        items = _ok(scn["summary"])
-        ys = list(range(len(items)))
-        for key, color, off, lbl in (
-            ("cost_per_ckpt_s", COLORS["blocked"], -0.18, "cost per checkpoint (loop time)"),
-            ("blocked_s", COLORS["capture"], 0.18, "blocked (call + wait before step)"),
-        ):
-            med, lo, hi = zip(*(_err(c[key]) for _, c in items), strict=True)
-            ax.barh(
-                [y + off for y in ys],
-                med,
-                height=0.36,
-                xerr=[lo, hi],
-                color=color,
-                error_kw={"elinewidth": 0.8, "capsize": 2},
-                label=lbl,
-            )
-        ax.axvline(0, color="black", lw=0.6)
-        ax.set_yticks(ys, [c["label"] for _, c in items], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(f"{scn['name']}: seconds per checkpoint", fontsize=8, loc="left")
-        ax.set_xlabel("seconds (median over rounds, min/max)", fontsize=7)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.grid(axis="x", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    series = (
+        ("cost_per_ckpt_s", COLORS["blocked"], -0.18, "cost per checkpoint (loop time)"),
+        ("blocked_s", COLORS["capture"], 0.18, "blocked (call + wait before step)"),
+    )
+    title = "{name}: seconds per checkpoint"
+    return _paired_panels(panels, series, title, "seconds (median over rounds, min/max)", path)
 
 
 def make_all(results: dict[str, Any], out_dir: str) -> dict[str, list[str]]:

@@ -25,7 +25,7 @@ import concurrent.futures
 import os
 import shutil
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -184,9 +184,10 @@ def _load_and_verify(env: Env, c: Contender, ckpt_dir: str, expected: Any) -> di
 
 
 def _contender_header(name: str, c: Contender | None, skip: str | None) -> dict[str, Any]:
+    """The record of contender ``name`` in a scenario's output (``c`` None: the baseline)."""
     return {
         "name": name,
-        "label": c.label if c is not None else name,
+        "label": c.label if c is not None else "no checkpointing",
         "format": c.fmt if c is not None else None,
         "loader": c.loader if c is not None else None,
         "asynchronous": c.asynchronous if c is not None else False,
@@ -194,6 +195,48 @@ def _contender_header(name: str, c: Contender | None, skip: str | None) -> dict[
         "skip_reason": skip,
         "runs": [],
     }
+
+
+def _declare_contenders(
+    out: dict[str, Any], names: Sequence[str], device: torch.device
+) -> list[str]:
+    """Adds each contender's header to ``out["contenders"]``; returns those that run here."""
+    active: list[str] = []
+    for name in names:
+        c = make_contender(name)
+        skip = c.skip_reason(device)
+        out["contenders"][name] = _contender_header(name, c, skip)
+        if skip is None:
+            active.append(name)
+    return active
+
+
+def finish_saves(c: Contender | None, records: list[SaveRecord], run: dict[str, Any]) -> None:
+    """After a loop's saves: raises if one failed, else records ``c``'s telemetry and tears it down.
+
+    Raises ``RuntimeError`` naming how many saves failed and the first error.
+    """
+    errors = [r.error for r in records if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} save(s) failed; first: {errors[0]}")
+    if c is not None:
+        run["telemetry"] = c.telemetry()
+        c.annotate(records)
+        c.teardown()
+
+
+def teardown_quietly(c: Contender) -> str | None:
+    """``c.teardown()`` after an error; returns its own failure as text instead of raising it.
+
+    Only ``KeyboardInterrupt`` and ``SystemExit`` propagate, so the first error is never masked.
+    """
+    try:
+        c.teardown()
+    except BaseException as e:  # noqa: BLE001 - teardown after an error must not mask it
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,13 +267,7 @@ def run_synthetic(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         "disk": [],
         "contenders": {},
     }
-    active: list[str] = []
-    for name in scn.contenders:
-        c = make_contender(name)
-        skip = c.skip_reason(env.device)
-        out["contenders"][name] = _contender_header(name, c, skip)
-        if skip is None:
-            active.append(name)
+    active = _declare_contenders(out, scn.contenders, env.device)
 
     base = os.path.join(opts.root, scn.name)
     counter = 0
@@ -302,9 +339,7 @@ def _synthetic_run(
                 _rmtree(ckpt)
         release_memory()  # count live buffers, not freed heap glibc has not returned yet
         run["held_bytes"] = rss_bytes() - rss0
-        run["telemetry"] = c.telemetry()
-        c.annotate(records)
-        c.teardown()
+        finish_saves(c, records, run)
         last = records[-1].ckpt_dir
         run["disk_bytes"] = disk_bytes(last) if env.rank == 0 else None
         if expected is None:
@@ -315,11 +350,7 @@ def _synthetic_run(
             raise
         run["error"] = _error_text(e)
     finally:
-        try:
-            c.teardown()
-        except BaseException as e:  # noqa: BLE001 - teardown after an error must not mask it
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
+        teardown_quietly(c)
         run["saves"] = [r.to_json() for r in records]
         expected = None
         release_memory()
@@ -371,14 +402,7 @@ def run_training(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         "host_cache_bytes": ctx.host_cache_bytes,
         "contenders": {BASELINE: _contender_header(BASELINE, None, None)},
     }
-    out["contenders"][BASELINE]["label"] = "no checkpointing"
-    active: list[str] = [BASELINE]
-    for name in scn.contenders:
-        c = make_contender(name)
-        skip = c.skip_reason(env.device)
-        out["contenders"][name] = _contender_header(name, c, skip)
-        if skip is None:
-            active.append(name)
+    active = [BASELINE, *_declare_contenders(out, scn.contenders, env.device)]
     # one discarded loop first: lazy initialisation (allocator, kernels, thread pools) would
     # otherwise be charged to whichever run comes first
     _training_run(scn, opts, env, ctx, batches, BASELINE, -1)
@@ -468,26 +492,16 @@ def _training_run(
                 "held_bytes": rss_bytes() - rss0,
             }
         )
-        errors = [r.error for r in records if r.error]
-        if errors:
-            raise RuntimeError(f"{len(errors)} save(s) failed; first: {errors[0]}")
-        if c is not None:
-            run["telemetry"] = c.telemetry()
-            c.annotate(records)
-            c.teardown()
-            if records:
-                run.update(_load_and_verify(env, c, records[-1].ckpt_dir, _gpt_state(model, opt)))
+        finish_saves(c, records, run)
+        if c is not None and records:
+            run.update(_load_and_verify(env, c, records[-1].ckpt_dir, _gpt_state(model, opt)))
     except BaseException as e:  # CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         run["error"] = _error_text(e)
     finally:
         if c is not None:
-            try:
-                c.teardown()
-            except BaseException as e:  # noqa: BLE001 - must not mask the first error
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
+            teardown_quietly(c)
         run["saves"] = [r.to_json() for r in records]
         release_memory()
         if env.rank == 0 and not opts.keep_checkpoints:
@@ -516,14 +530,7 @@ def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         "threads": threads,
         "contenders": {NONE: _contender_header(NONE, None, None)},
     }
-    out["contenders"][NONE]["label"] = "no checkpointing"
-    active = [NONE]
-    for name in scn.contenders:
-        c = make_contender(name)
-        skip = c.skip_reason(env.device)
-        out["contenders"][name] = _contender_header(name, c, skip)
-        if skip is None:
-            active.append(name)
+    active = [NONE, *_declare_contenders(out, scn.contenders, env.device)]
     base = os.path.join(opts.root, scn.name)
     os.makedirs(base, exist_ok=True)
     for rep in range(scn.repeats):

@@ -9,6 +9,7 @@ headline numbers are over the later, steady-state saves whenever a run has more 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.metrics import GB, gbps, median_or_none, summarize
@@ -84,6 +85,38 @@ def _status(per_rank: list[dict[str, Any]], name: str) -> tuple[str, str | None,
     return ("error" if errors else "ok"), None, errors
 
 
+def _head(per_rank: list[dict[str, Any]], name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """What every contender's summary starts with: what it is, whether it ran, first errors."""
+    status, reason, errors = _status(per_rank, name)
+    return {
+        "label": entry["label"],
+        "format": entry["format"],
+        "loader": entry["loader"],
+        "asynchronous": entry["asynchronous"],
+        "status": status,
+        "skip_reason": reason,
+        "errors": errors[:3],
+    }
+
+
+def _save_times(saves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Blocked, call, wait, capture and until-durable seconds of ``saves``, each summarized."""
+    return {
+        "blocked_s": summarize(s["blocked_s"] for s in saves),
+        "call_s": summarize(s["call_s"] for s in saves),
+        "wait_s": summarize(s["wait_s"] for s in saves),
+        "capture_s": summarize(s.get("capture_s") for s in saves),
+        "durable_s": summarize(s["durable_s"] for s in saves),
+    }
+
+
+def _add_timeline(out: dict[str, Any], name: str, runs: Iterable[dict[str, Any]]) -> None:
+    """``out["timeline"][name]``: the spans of the first of ``runs`` that ran its loop."""
+    first = next((run for run in runs if "t_loop0" in run), None)
+    if first is not None:
+        out["timeline"][name] = _timeline(first)
+
+
 def summarize_synthetic(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = per_rank[0]
     disk = [d["gbps"] for d in r0.get("disk", [])]
@@ -97,16 +130,7 @@ def summarize_synthetic(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
     dd = median_or_none(disk)
     for name, entry in r0["contenders"].items():
-        status, reason, errors = _status(per_rank, name)
-        summary: dict[str, Any] = {
-            "label": entry["label"],
-            "format": entry["format"],
-            "loader": entry["loader"],
-            "asynchronous": entry["asynchronous"],
-            "status": status,
-            "skip_reason": reason,
-            "errors": errors[:3],
-        }
+        summary = _head(per_rank, name, entry)
         reps = _runs_by_rep(per_rank, name)
         all_saves: list[dict[str, Any]] = []
         held: list[float] = []
@@ -128,11 +152,7 @@ def summarize_synthetic(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         summary.update(
             {
                 "saves_measured": len(warm),
-                "blocked_s": summarize(s["blocked_s"] for s in warm),
-                "call_s": summarize(s["call_s"] for s in warm),
-                "wait_s": summarize(s["wait_s"] for s in warm),
-                "capture_s": summarize(s["capture_s"] for s in warm),
-                "durable_s": summarize(s["durable_s"] for s in warm),
+                **_save_times(warm),
                 "first_save_blocked_s": summarize(s["blocked_s"] for s in cold),
                 "flush_gbps": summarize(flush),
                 "flush_vs_dd": _ratio(median_or_none(flush), dd),
@@ -174,17 +194,8 @@ def summarize_training(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for name, entry in r0["contenders"].items():
         if name == BASELINE:
             continue
-        status, reason, errors = _status(per_rank, name)
         runs = [run for run in entry["runs"]]
-        summary: dict[str, Any] = {
-            "label": entry["label"],
-            "format": entry["format"],
-            "loader": entry["loader"],
-            "asynchronous": entry["asynchronous"],
-            "status": status,
-            "skip_reason": reason,
-            "errors": errors[:3],
-        }
+        summary = _head(per_rank, name, entry)
         saves = [s for run in runs for s in run.get("saves", [])]
         warm = _warm(saves)
         slow = [100.0 * (run["loop_s"] / base - 1.0) for run in runs if "loop_s" in run and base]
@@ -201,11 +212,7 @@ def summarize_training(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             {
                 "bytes": runs[0].get("bytes") if runs else None,
                 "saves_measured": len(warm),
-                "blocked_s": summarize(s["blocked_s"] for s in warm),
-                "call_s": summarize(s["call_s"] for s in warm),
-                "wait_s": summarize(s["wait_s"] for s in warm),
-                "capture_s": summarize(s.get("capture_s") for s in warm),
-                "durable_s": summarize(s["durable_s"] for s in warm),
+                **_save_times(warm),
                 "first_save_blocked_s": summarize(s["blocked_s"] for s in saves if s["index"] == 0),
                 "flush_gbps": summarize(gbps(s["bytes"], s["durable_s"]) for s in warm),
                 "slowdown_pct": summarize(slow),
@@ -225,12 +232,8 @@ def summarize_training(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             }
         )
         out["contenders"][name] = summary
-        first = next((run for run in runs if "t_loop0" in run), None)
-        if first is not None:
-            out["timeline"][name] = _timeline(first)
-    base_first = next((run for run in r0["contenders"][BASELINE]["runs"] if "t_loop0" in run), None)
-    if base_first is not None:
-        out["timeline"][BASELINE] = _timeline(base_first)
+        _add_timeline(out, name, runs)
+    _add_timeline(out, BASELINE, r0["contenders"][BASELINE]["runs"])
     return out
 
 
@@ -296,7 +299,6 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
     for name, entry in r0["contenders"].items():
         if name == NONE:
             continue
-        status, reason, errors = _status(per_rank, name)
         runs = [run for run in entry["runs"]]
         saves = [s for run in runs for s in run.get("saves", [])]
         costs = []
@@ -315,23 +317,13 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
         if any(run.get("error") for run in runs):
             verified.append(False)
         out["contenders"][name] = {
-            "label": entry["label"],
-            "format": entry["format"],
-            "loader": entry["loader"],
-            "asynchronous": entry["asynchronous"],
-            "status": status,
-            "skip_reason": reason,
-            "errors": errors[:3],
+            **_head(per_rank, name, entry),
             "bytes": next((run["bytes"] for run in runs if run.get("bytes")), None),
             "checkpoints": max((len(run.get("saves", [])) for run in runs), default=0),
             "cost_per_ckpt_s": summarize(costs),
             "loop_s": summarize(run["loop_s"] for run in runs if "loop_s" in run),
             "drain_s": summarize(run["drain_s"] for run in runs if "drain_s" in run),
-            "blocked_s": summarize(s["blocked_s"] for s in saves),
-            "call_s": summarize(s["call_s"] for s in saves),
-            "wait_s": summarize(s["wait_s"] for s in saves),
-            "durable_s": summarize(s["durable_s"] for s in saves),
-            "capture_s": summarize(s.get("capture_s") for s in saves),
+            **_save_times(saves),
             "fwd_after_save_s": summarize(fwd),
             "bwd_after_save_s": summarize(bwd),
             "fwd_bwd_after_save_s": summarize(f + b for f, b in zip(fwd, bwd, strict=True)),
@@ -352,12 +344,8 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
                 v.get("replayed") and v["ok"] for run in runs for v in run.get("verify", [])
             ),
         }
-        first = next((run for run in runs if "t_loop0" in run), None)
-        if first is not None:
-            out["timeline"][name] = _timeline(first)
-    base_first = next(iter(base_runs.values()), None)
-    if base_first is not None:
-        out["timeline"][NONE] = _timeline(base_first)
+        _add_timeline(out, name, runs)
+    _add_timeline(out, NONE, base_runs.values())
     ours = out["contenders"].get("ds_plain", {}).get("cost_per_ckpt_s")
     out["ratios"] = {
         f"ds_plain/{other}": _ratio(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -15,6 +16,32 @@ sys.path.insert(0, os.path.dirname(__file__))
 if TYPE_CHECKING:
     from dcp_datastates import DataStatesWriter
 
+
+HANG_S = 30.0  # seconds: any blocking call in a test that takes longer than this is a hang
+
+
+def in_thread(fn: Callable[[], Any], timeout: float = HANG_S, what: str = "the call") -> Any:
+    """Runs a blocking call (``dcp.save``) in a daemon thread; fails the test if it hangs.
+
+    Returns ``fn()``'s value or re-raises what it raised (any ``BaseException``: DCP's
+    ``CheckpointException`` is not an ``Exception``). A hung call is left running in its
+    daemon thread, so it cannot keep the test process alive.
+    """
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{what} hung for {timeout}s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 def assert_state_equal(a: Any, b: Any, path: str = "") -> None:

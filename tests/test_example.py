@@ -56,19 +56,26 @@ def _block_numpy(where: Path) -> Path:
     return where
 
 
-def run_example(tmp_path: Path, *args: str, no_numpy: bool = False) -> str:
+def _run_ok(cmd: list[str], cwd: Path, no_numpy: Path | None, timeout: float, what: str) -> str:
+    """Runs ``cmd`` in ``cwd`` with :func:`_env`; asserts exit 0; returns stdout + stderr."""
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--size", "tiny", *args],
-        cwd=tmp_path,
-        env=_env(tmp_path / "no-numpy" if no_numpy else None),
+        cmd,
+        cwd=cwd,
+        env=_env(no_numpy),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"example failed ({proc.returncode}):\n{out}"
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{out}"
     return out
+
+
+def run_example(tmp_path: Path, *args: str, no_numpy: bool = False) -> str:
+    cmd = [sys.executable, str(EXAMPLE), "--size", "tiny", *args]
+    no_np = tmp_path / "no-numpy" if no_numpy else None
+    return _run_ok(cmd, tmp_path, no_np, timeout=120, what="example")
 
 
 def final_of(out: str) -> tuple[str, str, str]:
@@ -187,20 +194,16 @@ def test_main_job_quick_without_numpy(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     root.mkdir()
     (root / "step-3").mkdir()  # left over from an earlier job: the job starts afresh
-    proc = subprocess.run(
+    out = _run_ok(
         [
             *(sys.executable, str(MAIN_JOB), "--quick", "--ckpt-dir", str(root)),
             *("--timeout", "120", "--reports-dir", str(tmp_path / "reports")),
         ],
-        cwd=tmp_path,
-        env=_env(tmp_path / "no-numpy"),
-        capture_output=True,
-        text=True,
+        tmp_path,
+        tmp_path / "no-numpy",
         timeout=400,
-        check=False,
+        what="main job",
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"main job failed ({proc.returncode}):\n{out}"
     assert "simulated crash after step 7" in out
     assert "resumed from" in out
     assert "final state bit-identical to the uninterrupted run: yes" in out

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from conftest import in_thread
 from dist_utils import run_ranks
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -48,25 +48,6 @@ def make_writer(tmp_path: Any) -> Iterator[Callable[..., DataStatesWriter]]:
     for w in made:
         assert w.wait(timeout=T), "a save was left behind: close() would hang"
         w.close()
-
-
-def in_thread(fn: Callable[[], Any], timeout: float = T) -> Any:
-    """Runs a blocking call (dcp.save) in a daemon thread; fails the test if it hangs."""
-    out: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"hung for {timeout}s"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 def healthy_save(w: DataStatesWriter, path: str) -> None:
@@ -127,13 +108,25 @@ def test_unread_error_is_raised_once_at_the_barrier_and_next_save_kept(
     fut = _failing_save("planner-raises", w, str(tmp_path / "bad"))
     concurrent.futures.wait([fut], timeout=T)  # done, but its error is never read
     assert fut.done()
-    assert w.wait(timeout=T)
     # A later save is not refused because of the earlier failure ...
     healthy_save(w, str(tmp_path / "good"))
     # ... and the unread error comes out once, at the barrier, with its cause.
     with pytest.raises(CheckpointSaveError, match="before its data was written.*exploded"):
         w.wait_captured(timeout=T)
     assert w.wait_captured(timeout=T)
+    assert w.wait(timeout=T)  # already reported: wait() does not raise it again
+
+
+def test_unread_error_is_raised_once_by_wait(tmp_path: Any, make_writer: Any) -> None:
+    # The plain call: nobody reads the futures and no explicit barrier runs; wait() tells.
+    w: DataStatesWriter = make_writer()
+    fut = _failing_save("planner-raises", w, str(tmp_path / "bad"))
+    concurrent.futures.wait([fut], timeout=T)
+    with pytest.raises(CheckpointSaveError, match="before its data was written.*exploded"):
+        w.wait(timeout=T)
+    assert w.wait(timeout=T)
+    assert w.wait_captured(timeout=T)
+    healthy_save(w, str(tmp_path / "good"))
 
 
 def test_error_read_with_exception_is_not_raised_again(tmp_path: Any, make_writer: Any) -> None:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import io
 import os
-import threading
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from conftest import in_thread
 from dist_utils import run_ranks
 
 from dcp_datastates import DataStatesWriter
@@ -30,25 +29,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 T = 30.0
-
-
-def bounded(fn: Callable[[], Any], timeout: float = T) -> Any:
-    """Runs a blocking save in a daemon thread; fails the test if it does not return in time."""
-    out: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"the save hung for {timeout}s"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 def writer(path: str, **kw: Any) -> DataStatesWriter:
@@ -93,7 +73,7 @@ def test_module_state_with_deprecated_no_dist_api(tmp_path: Any, threads: int) -
     w = writer(str(tmp_path), copy_threads=threads, flush_threads=threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bounded(lambda: dcp.save_state_dict(saved, storage_writer=w, no_dist=True))
+        in_thread(lambda: dcp.save_state_dict(saved, storage_writer=w, no_dist=True))
         loaded = Net().state_dict()
         dcp.load_state_dict(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)),
                             no_dist=True)
@@ -106,7 +86,7 @@ def test_tensors_and_stateful_blob_without_checkpoint_id(tmp_path: Any) -> None:
     model = Net()
     blob = Blob(b"SomeBlobForTesting" * 100)
     w = writer(str(tmp_path))
-    bounded(lambda: dcp.save({"model": model, "blob": blob}, storage_writer=w))  # path of w
+    in_thread(lambda: dcp.save({"model": model, "blob": blob}, storage_writer=w))  # path of w
     other, blob2 = Net(), Blob(b"")
     dcp.load({"model": other, "blob": blob2}, checkpoint_id=str(tmp_path))
     assert_same(model.state_dict(), other.state_dict())
@@ -123,7 +103,7 @@ def test_states_without_any_tensor(tmp_path: Any) -> None:
     ]
     for i, sd in enumerate(states):
         path = str(tmp_path / f"sync{i}")
-        bounded(lambda sd=sd, path=path: dcp.save(sd, storage_writer=w, checkpoint_id=path))
+        in_thread(lambda sd=sd, path=path: dcp.save(sd, storage_writer=w, checkpoint_id=path))
         apath = str(tmp_path / f"async{i}")
         dcp.async_save(sd, storage_writer=w, checkpoint_id=apath).result(timeout=T)
         for p in (path, apath):
@@ -142,7 +122,7 @@ def test_a_fresh_writer_for_every_save(tmp_path: Any) -> None:
     before = threads()
     for i in range(6):
         sd = {"w": torch.full((64,), float(i)), "i": i}
-        bounded(lambda sd=sd, i=i: dcp.save(sd, storage_writer=writer(str(tmp_path / f"c{i}"))))
+        in_thread(lambda sd=sd, i=i: dcp.save(sd, storage_writer=writer(str(tmp_path / f"c{i}"))))
         out = {"w": torch.zeros(64), "i": -1}
         dcp.load(out, checkpoint_id=str(tmp_path / f"c{i}"))
         assert out["i"] == i and bool((out["w"] == i).all())
@@ -156,13 +136,13 @@ def test_overwrite_true_then_false(tmp_path: Any) -> None:
     path = str(tmp_path / "c")
     w = writer(path)  # overwrite=True by default, as FileSystemWriter
     for value in (1.0, 2.0):
-        bounded(lambda v=value: dcp.save({"x": torch.full((16,), v)}, storage_writer=w))
+        in_thread(lambda v=value: dcp.save({"x": torch.full((16,), v)}, storage_writer=w))
     out = {"x": torch.zeros(16)}
     dcp.load(out, checkpoint_id=path)
     assert bool((out["x"] == 2.0).all())
     strict = writer(path, overwrite=False)
     with pytest.raises(dcp.api.CheckpointException, match="overwrite=False"):
-        bounded(lambda: dcp.save({"x": torch.full((16,), 3.0)}, storage_writer=strict))
+        in_thread(lambda: dcp.save({"x": torch.full((16,), 3.0)}, storage_writer=strict))
     dcp.load(out, checkpoint_id=path)
     assert bool((out["x"] == 2.0).all())
     w.close()
