@@ -32,8 +32,8 @@ CONTENDERS = {
     "ds_async_lazy",
     "ds_plain",
 }
-MLP_CONTENDERS = {"ds_plain", "dcp_fs_t2", "dcp_default_stager"}
-DS_NAMES = ("ds_save", "ds_async", "ds_async_lazy", "ds_plain")
+MLP_CONTENDERS = {"ds_plain", "ds_plain_eager", "dcp_fs_t2", "dcp_default_stager"}
+DS_NAMES = ("ds_save", "ds_async", "ds_async_lazy", "ds_plain", "ds_plain_eager")
 
 
 def _strict_json(path: Path) -> Any:
