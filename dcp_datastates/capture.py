@@ -41,13 +41,13 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .barrier import DTensor, _local, owned_storages
+from .barrier import DTensor, _local
 from .engine import Engine
 from .errors import CaptureError
 from .spill import SpilledTensor, spill_tensor
@@ -147,11 +147,6 @@ class SaveJob:
 
 _RELEASED = torch.empty(0)
 _SEQ = itertools.count(1)
-
-
-def protected_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
-    """Storage addresses of everything the given optimizers own (params and state tensors)."""
-    return set(owned_storages(optimizers))
 
 
 def _validate(name: str, t: torch.Tensor) -> None:

@@ -150,10 +150,6 @@ class Engine:
         with translate_errors("cannot capture"):
             return bool(self._core.capture_now(job, entry, wait))
 
-    def retarget(self, job: int, entry: int, src: int, direct: bool) -> None:
-        with translate_errors("cannot retarget"):
-            self._core.retarget(job, entry, src, direct)
-
     def open_file(self, job: int, path: str) -> int:
         with translate_errors("cannot open a data file"):
             return int(self._core.open_file(job, path))
