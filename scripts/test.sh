@@ -7,6 +7,7 @@ bash scripts/setup_env.sh
 . "${DCPDS_VENV:-.venv}/bin/activate"
 python -m pip install -q -r requirements-dev.txt
 python -m pip install -q -r benchmarks/requirements.txt
+bash scripts/install_integrations.sh
 echo "== ruff"; ruff check dcp_datastates tests examples benchmarks
 echo "== mypy"; mypy dcp_datastates
 echo "== pytest"
