@@ -557,6 +557,16 @@ class DataStatesPlainEager(DataStatesPlain):
     writer_options = {"capture": "eager"}
 
 
+class DataStatesPlainIdleFlush(DataStatesPlain):
+    """The plain call with ``flush_idle=True``: flush threads under ``SCHED_IDLE`` as well as
+    copy threads (the default before flushes took their checksums from the copy). Run beside
+    ``ds_plain`` to see what a normal-priority flush costs or saves end to end."""
+
+    name = "ds_plain_idleflush"
+    label = "DataStates async_save (plain call, flush_idle)"
+    writer_options = {"flush_idle": True}
+
+
 ALL_NAMES: tuple[str, ...] = (
     "torch_save",
     "dcp_fs_t1",
@@ -579,6 +589,7 @@ SYNTHETIC_EXCLUDED: tuple[str, ...] = ("ds_plain",)
 MLP_NAMES: tuple[str, ...] = (
     "ds_plain",
     "ds_plain_eager",
+    "ds_plain_idleflush",
     "dcp_fs_t2",
     "dcp_default_stager",
     "dcp_async",
@@ -600,6 +611,7 @@ def make_contender(name: str) -> Contender:
         "ds_async_lazy": DataStatesAsyncLazy,
         "ds_plain": DataStatesPlain,
         "ds_plain_eager": DataStatesPlainEager,
+        "ds_plain_idleflush": DataStatesPlainIdleFlush,
         # fixed-configuration names used by the mlp-loop scenario
         "dcp_fs_t2": lambda: DcpSave(2),
         "dcp_default_stager": DcpAsyncStager,

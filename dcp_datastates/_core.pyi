@@ -34,6 +34,7 @@ class Engine:
         durable: bool = True,
         flush_nice: int = 5,
         idle_priority: bool = False,
+        flush_idle: bool = False,
     ) -> None: ...
     def close(self) -> None: ...
     @property

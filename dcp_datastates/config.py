@@ -82,8 +82,9 @@ class WriterConfig:
         checksums: record a CRC-32C per chunk in the manifest.
         durable: fdatasync data files and fsync directories before the commit.
         prefault: touch the cache pages when the writer is created.
-        flush_nice: how much lower the OS priority of flush threads is than that of copy threads.
-        idle_priority: run copy and flush threads under SCHED_IDLE.
+        flush_nice: niceness (0..19) of flush threads when they do not run under SCHED_IDLE.
+        idle_priority: run copy threads under SCHED_IDLE.
+        flush_idle: run flush threads under SCHED_IDLE too.
         step_barrier: take part in the automatic optimizer-step barrier.
     """
 
@@ -99,6 +100,7 @@ class WriterConfig:
     prefault: bool = False
     flush_nice: int = 5
     idle_priority: bool = True
+    flush_idle: bool = False
     step_barrier: bool = True
 
     def __post_init__(self) -> None:

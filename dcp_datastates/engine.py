@@ -75,6 +75,7 @@ class Engine:
                 durable=config.durable,
                 flush_nice=config.flush_nice,
                 idle_priority=config.idle_priority,
+                flush_idle=config.flush_idle,
             )
         except _core.EngineError as e:
             raise CheckpointSaveError(f"cannot create the host cache engine: {e}") from None

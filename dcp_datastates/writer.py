@@ -163,9 +163,13 @@ class DataStatesWriter(StorageWriter):
         durable: fdatasync data files and fsync directories before the commit.
         prefault: touch the cache's pages up front (default: off; pages are faulted in by the
             first saves, and only as many as the saves in flight need).
-        flush_nice: niceness added to flush threads, so copies win the CPU.
-        idle_priority: run the engine's threads under SCHED_IDLE (default: on), so background
-            copies and flushes only use CPU time training leaves idle.
+        flush_nice: niceness (0..19) of flush threads (default 5) when they are not idle.
+        idle_priority: run the engine's copy threads under SCHED_IDLE (default: on), so
+            background copies only use CPU time training leaves idle.
+        flush_idle: run flush threads under SCHED_IDLE too (default: off). Flushes mostly wait
+            for the disk (O_DIRECT writes, checksums taken during the copy), so at a normal
+            priority they keep the disk busy while training runs; turn on where writes cost CPU
+            (a file system that refuses O_DIRECT, fsspec targets) and training must not lose it.
         step_barrier: take part in the automatic step barrier (default: on). Off: no tensor is
             captured lazily unless its optimizer was passed to :meth:`protect`.
         pin_memory: page-lock the cache with the CUDA runtime at construction (default: when
@@ -196,6 +200,7 @@ class DataStatesWriter(StorageWriter):
         prefault: bool = False,
         flush_nice: int = 5,
         idle_priority: bool = True,
+        flush_idle: bool = False,
         step_barrier: bool = True,
         pin_memory: bool | None = None,
         overwrite: bool = True,
@@ -217,6 +222,7 @@ class DataStatesWriter(StorageWriter):
             prefault=prefault,
             flush_nice=flush_nice,
             idle_priority=idle_priority,
+            flush_idle=flush_idle,
             step_barrier=step_barrier,
         )
         self._engine = Engine(self.config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import zlib
@@ -22,6 +23,31 @@ def test_crc32c_known_vectors() -> None:
     whole = _core.crc32c(data)
     assert _core.crc32c(data[500_000:], _core.crc32c(data[:500_000])) == whole  # incremental
     assert whole != zlib.crc32(data)  # it is Castagnoli, not the zip polynomial
+
+
+def _crc32c_bitwise(data: bytes, crc: int = 0) -> int:
+    """A slow reference CRC-32C, independent of the native code paths."""
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_interleaved_path_matches_the_reference() -> None:
+    # Buffers of 12 KiB and more take three interleaved chains that are combined afterwards;
+    # check sizes around that threshold and around the 8-byte lane rounding, from a nonzero
+    # starting CRC, against a bitwise reference.
+    rng = np.random.default_rng(1)
+    for n in (12_287, 12_288, 12_289, 12_295, 40_001, 65_536):
+        data = rng.integers(0, 255, n, dtype=np.uint8).tobytes()
+        assert _core.crc32c(data, 0x1234ABCD) == _crc32c_bitwise(data, 0x1234ABCD), n
+    big = rng.integers(0, 255, (1 << 20) + 7, dtype=np.uint8).tobytes()
+    pieces = 0
+    for i in range(0, len(big), 4000):  # 4000-byte pieces take the single-chain path
+        pieces = _core.crc32c(big[i : i + 4000], pieces)
+    assert _core.crc32c(big) == pieces
 
 
 def test_blocking_waits_release_the_gil(tmp_path: Any) -> None:
@@ -144,3 +170,44 @@ def test_file_layout_alignment() -> None:
     small = build_template(torch.float32, (100,))
     f, start, payload = lay.place_tensor(small)
     assert payload % 64 == 0 and payload - start < len(small.prefix) + 64
+
+
+def _thread_policies() -> dict[int, int]:
+    """Scheduling policy (field 41 of /proc/self/task/<tid>/stat) of each thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread exited meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = int(fields[38])  # fields after "(comm) ": state is field 3 -> index 0
+    return out
+
+
+@pytest.mark.parametrize("flush_idle", [False, True])
+def test_thread_priorities(flush_idle: bool) -> None:
+    # Copy threads run under SCHED_IDLE (5) with idle_priority; flush threads only with
+    # flush_idle (they mostly wait for the disk and must keep it busy while training runs).
+    sched_idle = 5
+    before = {t for t, p in _thread_policies().items() if p == sched_idle}
+    eng = _core.Engine(
+        cache_bytes=1 << 20,
+        prefault=False,
+        copy_threads=2,
+        flush_threads=3,
+        idle_priority=True,
+        flush_idle=flush_idle,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        expected = 5 if flush_idle else 2
+        while True:
+            idle = {t for t, p in _thread_policies().items() if p == sched_idle} - before
+            if len(idle) >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)  # the threads set their own policy when they start
+        assert len(idle) == expected
+    finally:
+        eng.close()

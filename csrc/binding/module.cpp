@@ -132,7 +132,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<EngineHandle>(m, "Engine")
       .def(py::init([](std::size_t cache_bytes, std::size_t chunk_bytes, int copy_threads,
                        int flush_threads, bool o_direct, bool prefault, bool checksums,
-                       bool durable, int flush_nice, bool idle_priority) {
+                       bool durable, int flush_nice, bool idle_priority, bool flush_idle) {
              EngineOptions o;
              o.cache_bytes = cache_bytes;
              o.chunk_bytes = chunk_bytes;
@@ -144,12 +144,13 @@ PYBIND11_MODULE(_core, m) {
              o.durable = durable;
              o.flush_nice = flush_nice;
              o.idle_priority = idle_priority;
+             o.flush_idle = flush_idle;
              return std::make_unique<EngineHandle>(o);
            }),
            py::arg("cache_bytes"), py::arg("chunk_bytes") = 64u << 20, py::arg("copy_threads") = 1,
            py::arg("flush_threads") = 2, py::arg("o_direct") = false, py::arg("prefault") = true,
            py::arg("checksums") = true, py::arg("durable") = true, py::arg("flush_nice") = 5,
-           py::arg("idle_priority") = false)
+           py::arg("idle_priority") = false, py::arg("flush_idle") = false)
       .def("close", &EngineHandle::close)
       .def_property_readonly("closed", &EngineHandle::closed)
       .def_property_readonly("owner_pid", &EngineHandle::owner_pid,

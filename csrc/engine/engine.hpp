@@ -65,9 +65,12 @@ struct EngineOptions {
   bool prefault = true;                  // touch the cache pages at construction
   bool checksums = true;                 // CRC-32C per chunk
   bool durable = true;                   // fdatasync data files before a job is done
-  int flush_nice = 5;                    // added niceness of flush threads (0: same as copies)
-  bool idle_priority = false;            // run copy and flush threads under SCHED_IDLE: they get
-                                         // only CPU time no other thread of the machine wants
+  int flush_nice = 5;                    // added niceness of flush threads (when not idle)
+  bool idle_priority = false;            // run copy threads under SCHED_IDLE: they get only CPU
+                                         // time no other thread of the machine wants
+  bool flush_idle = false;               // flush threads under SCHED_IDLE too (they mostly wait
+                                         // for the disk: with O_DIRECT and checksums taken during
+                                         // the copy, a flush costs little CPU)
 };
 
 struct ChunkRecord {
@@ -197,6 +200,7 @@ class Engine {
     std::size_t cache_offset = 0;
     std::uint64_t ticket = 0;
     std::uint32_t crc = 0;
+    bool crc_valid = false;  // crc was taken while copying (else the flush computes it)
   };
   struct Entry {
     std::string name;
@@ -260,7 +264,10 @@ class Engine {
 
   void copy_loop(int index);
   void flush_loop(int index);
-  void do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, CudaRuntime::Stream stream,
+  // Copies one chunk into the cache; for host sources with checksums on, also returns its CRC
+  // (computed block by block while the bytes are still in the CPU cache) and sets *crc_valid.
+  void do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uint32_t* crc,
+               bool* crc_valid, CudaRuntime::Stream stream,
                CudaRuntime::Event done_event, int& current_device);
   void do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk);
   void do_finalize(Job& job);
