@@ -77,11 +77,12 @@ class DataStatesCheckpointManager(CheckpointManager):
             return
         self._writer_kwargs = writer_kwargs(config.datastates, where="checkpoint.datastates")
         self._writer: DataStatesWriter | None = None
-        if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+        mode: AsyncMode = self.async_mode  # type: ignore[has-type]
+        if mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             # Our writer stages into its own (pinned when CUDA is used) host cache; torchtitan's
             # PROCESS-mode path with a DefaultStager would bypass it.
-            self.async_mode = AsyncMode.ASYNC
-        if self.async_mode == AsyncMode.ASYNC and self.pg is None:
+            self.async_mode = mode = AsyncMode.ASYNC
+        if mode == AsyncMode.ASYNC and self.pg is None:
             raise RuntimeError("torchtitan did not create the gloo group for asynchronous saves")
 
     @property
@@ -118,8 +119,9 @@ class DataStatesCheckpointManager(CheckpointManager):
 
     def _close(self) -> None:
         try:
-            if getattr(self, "save_future", None) is not None:
-                self.save_future.result()
+            future: Future[Any] | None = getattr(self, "save_future", None)
+            if future is not None:
+                future.result()
                 self.save_future = None
         finally:
             try:
