@@ -1,9 +1,13 @@
-"""Command line: ``python -m dcp_datastates verify PATH...`` and ``... cleanup ROOT``.
+"""Command line: ``python -m dcp_datastates verify PATH...``, ``... cleanup ROOT`` and
+``... export CKPT OUT``.
 
 Exit status of ``verify``: 0 every checkpoint verified intact; 1 at least one is damaged; 2 a path
 could not be checked (missing, not a checkpoint, unreadable) or bad usage; 3 no damage found but
 something could not be verified (a save made with ``checksums=False``). ``cleanup`` exits 0 on
-success and 2 if the root is missing or not a directory.
+success and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
+checkpoint cannot be exported (damaged data, a tensor safetensors cannot hold: the error names
+it), 2 if the input is not a checkpoint, the output exists (without ``--overwrite``) or on bad
+usage.
 """
 
 from __future__ import annotations
@@ -49,6 +53,44 @@ def _cleanup(root: str, min_age: float, exclude: list[str]) -> int:
     return EXIT_OK
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .config import parse_size
+    from .export import (
+        ExportError,
+        NotACheckpointError,
+        OutputExistsError,
+        export_checkpoint,
+        parse_dtype,
+    )
+
+    try:
+        max_shard = parse_size(args.max_shard_size, default_unit=1, what="--max-shard-size")
+        buffer = parse_size(args.buffer, default_unit=1, what="--buffer")
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        res = export_checkpoint(
+            args.ckpt, args.out, max_shard_bytes=max_shard, buffer_bytes=buffer, dtype=dtype,
+            prefix=args.prefix, overwrite=args.overwrite, progress=not args.quiet,
+        )
+    except (NotACheckpointError, OutputExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DAMAGED
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if res.skipped:
+        print(f"skipped {len(res.skipped)} non-tensor value(s): {', '.join(res.skipped)}",
+              file=sys.stderr)
+    print(f"exported {res.tensors} tensor(s), {res.bytes} bytes: {', '.join(res.files)}")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m dcp_datastates",
@@ -81,7 +123,26 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="never remove this checkpoint (a name under ROOT or a path); repeatable",
     )
+    x = sub.add_parser(
+        "export",
+        help="consolidate a checkpoint into Hugging Face safetensors (model.safetensors, or "
+        "shards + model.safetensors.index.json), in bounded memory",
+    )
+    x.add_argument("ckpt", help="checkpoint directory (written by DataStatesWriter)")
+    x.add_argument("out", help="output directory (created if missing)")
+    x.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest output file (default 5GB; bare numbers are bytes)")
+    x.add_argument("--buffer", default="256MiB", metavar="SIZE",
+                   help="memory used for tensor data (default 256MiB)")
+    x.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help="cast floating-point tensors (2+ bytes) to bf16, fp16 or fp32")
+    x.add_argument("--prefix", default=None,
+                   help="export only tensors named PREFIX..., without the prefix (e.g. model.)")
+    x.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    x.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.cmd == "export":
+        return _export(args)
     if args.cmd == "verify":
         return _verify(args.paths)
     if args.min_age < 0:

@@ -55,7 +55,9 @@ INCOMPLETE_MARKER = ".datastates.incomplete"
 MANIFEST_PREFIX = "__datastates_manifest_"
 
 # Names the writer owns inside a checkpoint directory (removed when a checkpoint is overwritten).
-_DATA_FILE_RE = re.compile(r"^__\d+_\d+\.distcp$")
+_DATA_FILE_RE = re.compile(
+    r"^(?:__\d+_\d+\.distcp|shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors)$"  # safetensors format
+)
 _MANIFEST_RE = re.compile(r"^__datastates_manifest_\d+\.json$")
 _OWNED_TMP_RE = re.compile(r"^(?:\.metadata|__datastates_manifest_\d+\.json)\.tmp$")
 

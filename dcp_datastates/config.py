@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 CaptureMode = Literal["auto", "owned", "lazy", "eager"]
+CheckpointFormat = Literal["torch", "safetensors"]
 
 _UNITS = {
     "b": 1,
@@ -86,6 +87,8 @@ class WriterConfig:
         idle_priority: run copy threads under SCHED_IDLE.
         flush_idle: run flush threads under SCHED_IDLE too.
         step_barrier: take part in the automatic optimizer-step barrier.
+        format: "torch" (tensors as torch.save archives, loadable by the stock dcp.load) or
+            "safetensors" (each rank's tensors in ``.safetensors`` files; docs/format.md).
     """
 
     cache_bytes: int
@@ -102,6 +105,7 @@ class WriterConfig:
     idle_priority: bool = True
     flush_idle: bool = False
     step_barrier: bool = True
+    format: CheckpointFormat = "torch"
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -122,5 +126,7 @@ class WriterConfig:
             raise ValueError(
                 f"capture must be 'auto', 'owned', 'lazy' or 'eager', got {self.capture!r}"
             )
+        if self.format not in ("torch", "safetensors"):
+            raise ValueError(f"format must be 'torch' or 'safetensors', got {self.format!r}")
         if not 0 <= self.flush_nice <= 19:
             raise ValueError(f"flush_nice must be within 0..19, got {self.flush_nice!r}")

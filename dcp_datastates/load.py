@@ -8,7 +8,9 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from .verify import verify_checkpoint
+from .commit import METADATA_FILE
+from .safetensors_format import SafetensorsCheckpointReader, is_safetensors_checkpoint
+from .verify import load_metadata, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,21 @@ def load(
     arguments go to ``dcp.load`` (``process_group``, ``planner``, ``no_dist``...). Verification
     reads the whole checkpoint once more; with several ranks each rank verifies everything, so
     prefer verifying once, offline, at scale.
+
+    A checkpoint saved with ``format="safetensors"`` is read with
+    :class:`~dcp_datastates.safetensors_format.SafetensorsCheckpointReader` (the stock
+    ``FileSystemReader`` cannot read its tensors) unless ``storage_reader`` is given.
     """
     path = os.fspath(checkpoint_id)
     if verify:
         rep = verify_checkpoint(path, raise_on_error=True)
         for what in rep.unverified:
             logger.warning("%s: not verified: %s", path, what)
+    if "storage_reader" not in kwargs and "://" not in path:
+        md_path = os.path.join(path, METADATA_FILE)
+        if os.path.exists(md_path):
+            with open(md_path, "rb") as f:
+                md = load_metadata(f.read())
+            if is_safetensors_checkpoint(md):
+                kwargs["storage_reader"] = SafetensorsCheckpointReader(path)
     dcp.load(state_dict, checkpoint_id=path, **kwargs)

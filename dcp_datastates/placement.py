@@ -37,6 +37,7 @@ from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
 from .layout import FileLayout, TemplateCache, data_file_name
 from .manifest import ItemRecord, RankManifest
+from .safetensors_format import write_safetensors
 
 logger = logging.getLogger("dcp_datastates.writer")
 
@@ -61,6 +62,8 @@ class Placer:
         Runs in the save thread. Raises on any failure (the caller fails the job); the job is
         finished by the caller.
         """
+        if self.config.format == "safetensors":  # the safetensors layout (its own module)
+            return write_safetensors(self, ctx, job, plan, planner)
         d = CheckpointDir(ctx.path)
         d.ensure_exists()
         eng = self._engine

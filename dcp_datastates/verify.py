@@ -53,6 +53,8 @@ from .commit import INCOMPLETE_MARKER, MANIFEST_PREFIX, METADATA_FILE, Checkpoin
 from .errors import IntegrityError
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
+from .safetensors_format import SUFFIX as SAFETENSORS_SUFFIX
+from .safetensors_format import check_item as check_safetensors_item
 
 _READ_BLOCK = 16 * 1024 * 1024
 _MANIFEST_RE = re.compile(r"^__datastates_manifest_(\d+)\.json$")
@@ -228,6 +230,7 @@ class _Verifier:
         self.rep = rep
         self.files: dict[str, BinaryIO | None] = {}
         self.sizes: dict[str, int | None] = {}
+        self.st_headers: dict[str, Any] = {}  # parsed safetensors headers, by file name
 
     def close(self) -> None:
         for f in self.files.values():
@@ -582,6 +585,12 @@ class _Verifier:
                 f"{it.payload_bytes} payload bytes"
             )
             return False
+        if it.file.endswith(SAFETENSORS_SUFFIX):  # format="safetensors": a header, no archive
+            size = self.sizes.get(it.file) or 0
+            problems = check_safetensors_item(f, size, it, self.st_headers)
+            for p in problems:
+                self.problem(f"{where}: {p}")
+            return not problems
         tmpl = _TEMPLATES.get(dtype, tuple(it.shape))
         if (
             it.archive_length != tmpl.total_bytes

@@ -85,7 +85,7 @@ from torch.futures import Future
 from . import barrier
 from .capture import SaveJob, Stager
 from .commit import METADATA_FILE, CheckpointDir
-from .config import CaptureMode, WriterConfig, parse_size
+from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
 from .engine import Engine
 from .errors import CheckpointSaveError
@@ -177,6 +177,11 @@ class DataStatesWriter(StorageWriter):
         overwrite: replace an existing checkpoint at the save's path (default, as
             FileSystemWriter); False refuses the save on every rank (FileExistsError naming the
             path) when ``.metadata`` is already there.
+        format: "torch" (default: torch.save archives, the stock ``dcp.load`` reads them) or
+            "safetensors": each rank's tensors go into ``.safetensors`` files that
+            ``safetensors.safe_open`` and torch's ``HuggingFaceStorageReader`` load; load the
+            whole checkpoint (non-tensor values included) with ``dcp_datastates.load``
+            (docs/format.md, "safetensors format").
 
     Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
     is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
@@ -204,6 +209,7 @@ class DataStatesWriter(StorageWriter):
         step_barrier: bool = True,
         pin_memory: bool | None = None,
         overwrite: bool = True,
+        format: CheckpointFormat = "torch",  # noqa: A002 - the option's documented name
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -224,6 +230,7 @@ class DataStatesWriter(StorageWriter):
             idle_priority=idle_priority,
             flush_idle=flush_idle,
             step_barrier=step_barrier,
+            format=format,
         )
         self._engine = Engine(self.config)
         if pin_memory or (pin_memory is None and torch.cuda.is_available()):

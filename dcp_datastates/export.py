@@ -1,0 +1,487 @@
+"""Export: a DCP checkpoint of ours -> consolidated Hugging Face safetensors.
+
+``python -m dcp_datastates export CKPT OUT`` (or :func:`export_checkpoint`) reads ``.metadata``,
+reassembles every tensor from its chunks (any number of ranks, any sharding) and writes
+``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
+``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``.
+
+Memory is bounded by ``buffer_bytes``: each output tensor is produced in slabs (a range of one
+dimension, all of the inner ones) that fit a third of the buffer; each chunk's share of a slab is
+one contiguous byte range of its data file, read straight into the slab (or into a second third,
+then copied into place when the chunk is narrower than the slab); the last third holds a slab
+converted to ``dtype``. Nothing else scales with the checkpoint. Tensor chunks in torch.save
+archives (format "torch") are located through the archive template of their dtype and shape and
+the archive header is checked; chunks in ``.safetensors`` files (format "safetensors") are read
+raw. Non-tensor values cannot go in safetensors: they are skipped and listed.
+
+Output files are written under a temporary name, synced and renamed; the index comes last.
+Errors name the tensor (and chunk, file) and raise :class:`ExportError`; nothing is left under
+the final names of a failed export. Single-threaded; no state between calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+
+from .commit import METADATA_FILE
+from .errors import DataStatesError
+from .layout import TemplateCache
+from .safetensors_format import (
+    SUFFIX,
+    HeaderEntry,
+    dtype_name,
+    encode_header,
+    read_into,
+)
+from .verify import load_metadata
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_PARTIAL = ".partial"
+
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+class ExportError(DataStatesError):
+    """A checkpoint could not be exported; the message names the tensor, chunk or file."""
+
+
+class NotACheckpointError(ExportError):
+    """The input is missing or not a committed checkpoint (no readable ``.metadata``)."""
+
+
+class OutputExistsError(ExportError):
+    """An output file exists already and ``overwrite`` is off."""
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    payload: int  # file offset of the chunk's raw bytes (row-major)
+
+
+@dataclass
+class _Tensor:
+    fqn: str  # name in the checkpoint
+    key: str  # name in the output
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: list[_Chunk]
+
+    @property
+    def out_bytes(self) -> int:
+        return math.prod(self.shape) * self.out_dtype.itemsize
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_checkpoint` wrote."""
+
+    files: list[str]  # output file names (the index last, if any)
+    tensors: int
+    bytes: int  # tensor bytes written
+    skipped: list[str] = field(default_factory=list)  # non-tensor values, not exported
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``bf16``/``fp16``/``fp32`` (and their long names) -> torch dtype; ValueError otherwise."""
+    try:
+        return DTYPE_ALIASES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"--dtype {name!r}: expected one of {', '.join(sorted(DTYPE_ALIASES))}"
+        ) from None
+
+
+class _Progress:
+    """A progress bar on stderr: tqdm if installed, else a line redrawn at most twice a second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._bar: Any = None
+        self._last = 0.0
+        if enabled:
+            try:
+                from tqdm import tqdm  # type: ignore[import-untyped]
+
+                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="export",
+                                 file=sys.stderr)
+            except ImportError:
+                self._bar = None
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last >= 0.5 or self.done >= self.total:
+            self._last = now
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            sys.stderr.write(f"\rexport {pct:5.1f}% {_human(self.done)} / {_human(self.total)}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _plan(
+    ckpt: str, dtype: torch.dtype | None, prefix: str | None
+) -> tuple[list[_Tensor], list[str]]:
+    """The tensors to export (in the checkpoint's order) and the non-tensor keys skipped."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    md_path = os.path.join(ckpt, METADATA_FILE)
+    if not os.path.isdir(ckpt):
+        raise NotACheckpointError(f"{ckpt}: no such checkpoint directory")
+    try:
+        with open(md_path, "rb") as f:
+            md = load_metadata(f.read())
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            f"{ckpt}: not a committed checkpoint (no {METADATA_FILE})"
+        ) from None
+    except ValueError as e:
+        raise ExportError(f"{md_path}: damaged: {e}") from None
+    templates = TemplateCache()
+    tensors: list[_Tensor] = []
+    skipped: list[str] = []
+    for fqn, smd in md.state_dict_metadata.items():
+        if prefix is not None and not fqn.startswith(prefix):
+            continue
+        key = fqn[len(prefix):] if prefix else fqn
+        if not isinstance(smd, TensorStorageMetadata):
+            skipped.append(fqn)
+            continue
+        src = smd.properties.dtype
+        try:
+            dtype_name(src, fqn)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+        out = src
+        if dtype is not None and src.is_floating_point and src.itemsize >= 2:
+            out = dtype
+        shape = tuple(int(s) for s in smd.size)
+        chunks: list[_Chunk] = []
+        for ch in smd.chunks:
+            offs = tuple(int(o) for o in ch.offsets)
+            sizes = tuple(int(s) for s in ch.sizes)
+            where = f"'{fqn}' chunk at {list(offs)}"
+            info = md.storage_data.get(MetadataIndex(fqn, ch.offsets))
+            if info is None:
+                raise ExportError(f"{where}: not in {METADATA_FILE}'s storage_data")
+            rel = str(info.relative_path)
+            if os.path.basename(rel) != rel or rel in ("", ".", ".."):
+                raise ExportError(f"{where}: {METADATA_FILE} names the file {rel!r}")
+            nbytes = math.prod(sizes) * src.itemsize
+            if rel.endswith(SUFFIX):
+                if info.length != nbytes:
+                    raise ExportError(
+                        f"{where} ({rel}): {info.length} bytes for a {src} chunk {list(sizes)}"
+                    )
+                payload = int(info.offset)
+            else:
+                tmpl = templates.get(src, sizes)
+                if info.length != tmpl.total_bytes:
+                    raise ExportError(
+                        f"{where} ({rel}): not a torch.save archive of a contiguous {src} "
+                        f"chunk {list(sizes)} as dcp_datastates writes it ({info.length} bytes, "
+                        f"expected {tmpl.total_bytes})"
+                    )
+                head = _read_exact(os.path.join(ckpt, rel), int(info.offset), len(tmpl.prefix),
+                                   where)
+                if head != tmpl.prefix:
+                    raise ExportError(
+                        f"{where} ({rel}): the torch.save archive header at byte {info.offset} "
+                        "is damaged or not laid out as dcp_datastates writes it"
+                    )
+                payload = int(info.offset) + len(tmpl.prefix)
+            chunks.append(_Chunk(offs, sizes, rel, payload))
+        covered = sum(math.prod(c.sizes) for c in chunks)
+        if covered != math.prod(shape):
+            raise ExportError(
+                f"'{fqn}': its chunks hold {covered} elements, the tensor {list(shape)} has "
+                f"{math.prod(shape)} ({METADATA_FILE} damaged)"
+            )
+        tensors.append(_Tensor(fqn, key, src, out, shape, chunks))
+    keys = [t.key for t in tensors]
+    if len(set(keys)) != len(keys) or "" in keys or "__metadata__" in keys:
+        raise ExportError(f"--prefix {prefix!r} leaves empty, duplicate or reserved tensor names")
+    return tensors, skipped
+
+
+def _read_exact(path: str, offset: int, n: int, where: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(n)
+    except FileNotFoundError:
+        raise ExportError(f"{where}: data file {os.path.basename(path)} is missing") from None
+    if len(data) != n:
+        raise ExportError(f"{where}: data file {os.path.basename(path)} is truncated")
+    return data
+
+
+def _shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
+    """Greedy, in order: a new file when the next tensor would exceed the limit."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.out_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.out_bytes
+    return shards
+
+
+class _Files:
+    """Open data files of the checkpoint, by name."""
+
+    def __init__(self, ckpt: str) -> None:
+        self.ckpt = ckpt
+        self.open: dict[str, BinaryIO] = {}
+
+    def get(self, name: str, where: str) -> BinaryIO:
+        if name not in self.open:
+            try:
+                self.open[name] = open(os.path.join(self.ckpt, name), "rb")  # noqa: SIM115
+            except FileNotFoundError:
+                raise ExportError(f"{where}: data file {name} is missing") from None
+        return self.open[name]
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+
+
+def _write_all(out: BinaryIO, t: torch.Tensor) -> None:
+    n = t.numel() * t.element_size()
+    if n:
+        out.write(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
+
+
+def _stream_tensor(
+    t: _Tensor, out: BinaryIO, unit: int, scratch: list[torch.Tensor], files: _Files,
+    progress: _Progress,
+) -> None:
+    """Writes tensor ``t`` (row-major, ``out_dtype``) to ``out`` in slabs of at most ``unit``
+    bytes each; ``scratch`` holds the three reusable buffers of ``unit`` bytes."""
+    shape = t.shape
+    numel = math.prod(shape)
+    if numel == 0:
+        return
+    isz = max(t.dtype.itemsize, t.out_dtype.itemsize)
+    nd = len(shape)
+    if nd == 0:
+        k, run = 0, 1
+    else:
+        # The outermost dimension k whose inner block (all dims after k) fits the unit.
+        k = next(i for i in range(nd) if math.prod(shape[i + 1:]) * isz <= unit)
+        run = max(1, min(shape[k], unit // (math.prod(shape[k + 1:]) * isz)))
+    inner = math.prod(shape[k + 1:]) if nd else 1
+    slab_buf, read_buf, conv_buf = scratch
+    outer = itertools.product(*(range(s) for s in shape[:k])) if nd else iter([()])
+    for idx in outer:
+        for r0 in range(0, shape[k] if nd else 1, run):
+            r1 = min(r0 + run, shape[k]) if nd else 1
+            slab_shape = ((r1 - r0),) + tuple(shape[k + 1:]) if nd else ()
+            n = (r1 - r0) * inner
+            slab = slab_buf[: n * t.dtype.itemsize].view(t.dtype).view(slab_shape)
+            filled = 0
+            for c in t.chunks:
+                if math.prod(c.sizes) == 0:
+                    continue
+                if nd and any(not (o <= i < o + s) for i, o, s in
+                              zip(idx, c.offsets[:k], c.sizes[:k], strict=True)):
+                    continue
+                a = max(r0, c.offsets[k]) if nd else 0
+                b = min(r1, c.offsets[k] + c.sizes[k]) if nd else 1
+                if a >= b:
+                    continue
+                # The chunk's part of this slab: contiguous in the chunk (row-major).
+                cinner = math.prod(c.sizes[k + 1:]) if nd else 1
+                start = 0
+                if nd:
+                    stride = 1
+                    coords = [i - o for i, o in zip(idx, c.offsets[:k], strict=True)]
+                    coords.append(a - c.offsets[k])
+                    for d in range(k, -1, -1):
+                        start += coords[d] * stride
+                        stride *= c.sizes[d]
+                    start *= cinner
+                count = (b - a) * cinner
+                where = f"'{t.fqn}' chunk at {list(c.offsets)} ({c.file})"
+                f = files.get(c.file, where)
+                off = c.payload + start * t.dtype.itemsize
+                full_rows = not nd or tuple(c.sizes[k + 1:]) == tuple(shape[k + 1:])
+                try:
+                    if full_rows:
+                        dst = slab.view(-1)[(a - r0) * inner:(b - r0) * inner]
+                        read_into(f, off, dst, where)
+                    else:
+                        part_shape = ((b - a),) + tuple(c.sizes[k + 1:])
+                        part = read_buf[: count * t.dtype.itemsize].view(t.dtype).view(part_shape)
+                        read_into(f, off, part, where)
+                        box = slab[a - r0:b - r0]
+                        for d in range(k + 1, nd):
+                            box = box.narrow(d - k, c.offsets[d], c.sizes[d])
+                        box.copy_(part)
+                except ValueError as e:
+                    raise ExportError(f"{e} (data file truncated)") from None
+                filled += count
+            if filled != n:
+                raise ExportError(
+                    f"'{t.fqn}': its chunks cover {filled} of the {n} elements of rows "
+                    f"[{r0}, {r1}) (overlapping or missing chunks; {METADATA_FILE} damaged)"
+                )
+            if t.out_dtype != t.dtype:
+                conv = conv_buf[: n * t.out_dtype.itemsize].view(t.out_dtype).view(slab_shape)
+                conv.copy_(slab)
+                slab = conv
+            _write_all(out, slab)
+            progress.update(n * t.out_dtype.itemsize)
+
+
+def export_checkpoint(
+    ckpt: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = 5 * 1000**3,
+    buffer_bytes: int = 256 * 1024**2,
+    dtype: torch.dtype | None = None,
+    prefix: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ExportResult:
+    """Consolidates the DCP checkpoint ``ckpt`` into Hugging Face safetensors in ``out_dir``.
+
+    Args:
+        ckpt: a local checkpoint directory written by DataStatesWriter (either format).
+        out_dir: created if missing; gets ``model.safetensors``, or
+            ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+        max_shard_bytes: largest output file (a single larger tensor gets a file of its own).
+        buffer_bytes: the memory used for data (at least 64 KiB).
+        dtype: cast floating-point tensors of 2 bytes or more to this dtype (fp8, integers and
+            bool are kept).
+        prefix: export only tensors whose name starts with it, without it in the output
+            (e.g. ``"model."`` for an ``{"model": ..., "optim": ...}`` state).
+        overwrite: replace existing output files (else an existing one is an error).
+        progress: draw a progress bar on stderr.
+
+    Raises ExportError naming the tensor for anything that cannot be exported (unsupported
+    dtype, damaged or missing data), NotACheckpointError if ``ckpt`` is not a checkpoint.
+    """
+    ckpt, out_dir = os.fspath(ckpt), os.fspath(out_dir)
+    if buffer_bytes < 64 * 1024:
+        raise ValueError(f"buffer must be at least 64 KiB, got {buffer_bytes} bytes")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max shard size must be positive, got {max_shard_bytes}")
+    tensors, skipped = _plan(ckpt, dtype, prefix)
+    shards = _shards(tensors, max_shard_bytes)
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [
+        f"model-{i + 1:05d}-of-{n:05d}{SUFFIX}" for i in range(n)
+    ]
+    os.makedirs(out_dir, exist_ok=True)
+    targets = names + ([INDEX_FILE] if n > 1 else [])
+    if not overwrite:
+        for name in targets:
+            if os.path.exists(os.path.join(out_dir, name)):
+                raise OutputExistsError(
+                    f"{os.path.join(out_dir, name)} exists (pass --overwrite)"
+                )
+    unit = buffer_bytes // 3
+    scratch = [torch.empty(unit, dtype=torch.uint8) for _ in range(3)]
+    total = sum(t.out_bytes for t in tensors)
+    bar = _Progress(total, progress)
+    files = _Files(ckpt)
+    weight_map: dict[str, str] = {}
+    partials: list[str] = []
+    try:
+        for name, shard in zip(names, shards, strict=True):
+            entries, pos = [], 0
+            for t in shard:
+                entries.append(
+                    HeaderEntry(t.key, dtype_name(t.out_dtype, t.key), t.shape, pos,
+                                pos + t.out_bytes)
+                )
+                pos += t.out_bytes
+                weight_map[t.key] = name
+            tmp = os.path.join(out_dir, name + _PARTIAL)
+            partials.append(tmp)
+            with open(tmp, "wb") as out:
+                out.write(encode_header(entries, {"format": "pt"}))
+                for t in shard:
+                    _stream_tensor(t, out, unit, scratch, files, bar)
+                out.flush()
+                os.fsync(out.fileno())
+        for name, tmp in zip(names, partials, strict=True):
+            os.replace(tmp, os.path.join(out_dir, name))
+        partials.clear()
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            tmp = os.path.join(out_dir, INDEX_FILE + _PARTIAL)
+            partials.append(tmp)
+            with open(tmp, "w") as f:
+                json.dump(index, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(out_dir, INDEX_FILE))
+            partials.clear()
+    finally:
+        bar.close()
+        files.close()
+        for tmp in partials:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+    return ExportResult(files=targets, tensors=len(tensors), bytes=total, skipped=skipped)
+
+
+__all__ = [
+    "ExportError",
+    "ExportResult",
+    "NotACheckpointError",
+    "OutputExistsError",
+    "export_checkpoint",
+    "parse_dtype",
+]
