@@ -8,6 +8,18 @@ plain DCP checkpoints that the stock ``dcp.load`` reads. See README.md and docs/
 from __future__ import annotations
 
 import logging
+import os
+
+try:
+    from . import _core  # noqa: F401  (first, so a missing build is reported clearly)
+except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        f"dcp_datastates was imported from {os.path.dirname(os.path.abspath(__file__))}, which "
+        "has no built native module '_core'. This happens when Python runs in a source checkout "
+        "(the current directory comes first on sys.path and shadows the installed package): run "
+        "from another directory, or build the checkout in place with "
+        "`pip install --no-build-isolation -e .`"
+    ) from _e
 
 from .config import WriterConfig, parse_size
 from .errors import (
