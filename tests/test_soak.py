@@ -1,4 +1,4 @@
-"""Soak: 500 back-to-back async saves on one writer leak no memory, file descriptors or threads.
+"""Soak: 300 back-to-back async saves (``DCPDS_SOAK_SAVES``) on one writer leak no memory, file descriptors or threads.
 
 One process trains a small MLP with Adam (model + optimizer state ~2 MB) and after every step
 calls ``dcp.async_save`` through one ``DataStatesWriter`` whose host cache (1 MiB) is half the
@@ -19,7 +19,7 @@ no job, no open file and no cache bytes. The last checkpoint is read back with s
 What this proves: per-save resources (engine jobs, cache reservations, data-file descriptors,
 save contexts and their thread-local state, staged dicts, stats) are all released, over many
 more saves than the other tests make. RSS is a coarse measure (allocator caching), hence the
-slack; a leak of one 2 MB state per save would be ~900 MB over the measured window.
+slack; a leak of one 2 MB state per save would be ~500 MB over the measured window.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
-SAVES = 500
+SAVES = int(os.environ.get("DCPDS_SOAK_SAVES", "300"))
 WARMUP = 50  # the baseline sample is taken after this many saves
 SAMPLE_EVERY = 50
 RSS_SLACK_MB = 30.0
@@ -114,8 +114,8 @@ def sample(saves: int) -> Sample:
     )
 
 
-def test_500_async_saves_leak_nothing(tmp_path: Path) -> None:
-    """500 async saves through a cache half the checkpoint: RSS, fds, threads stay flat."""
+def test_many_async_saves_leak_nothing(tmp_path: Path) -> None:
+    """Hundreds of async saves through a cache half the checkpoint: RSS, fds, threads stay flat."""
     torch.manual_seed(0)
     root = tmp_path / "ckpt"
     model = make_model()
