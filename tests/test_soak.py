@@ -1,4 +1,4 @@
-"""Soak: 300 back-to-back async saves (``DCPDS_SOAK_SAVES``) on one writer leak no memory, file descriptors or threads.
+"""Soak: 300 back-to-back async saves on one writer leak no memory, fds or threads.
 
 One process trains a small MLP with Adam (model + optimizer state ~2 MB) and after every step
 calls ``dcp.async_save`` through one ``DataStatesWriter`` whose host cache (1 MiB) is half the
