@@ -85,6 +85,8 @@ class WriterConfig:
         flush_nice: how much lower the OS priority of flush threads is than that of copy threads.
         idle_priority: run copy and flush threads under SCHED_IDLE.
         step_barrier: take part in the automatic optimizer-step barrier.
+        part_bytes: object stores (s3://): bytes of each multipart-upload part but the last.
+        upload_concurrency: object stores (s3://): parts of one object uploading at once.
     """
 
     cache_bytes: int
@@ -100,6 +102,8 @@ class WriterConfig:
     flush_nice: int = 5
     idle_priority: bool = True
     step_barrier: bool = True
+    part_bytes: int = 16 * 1024**2
+    upload_concurrency: int = 4
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -112,13 +116,17 @@ class WriterConfig:
             )
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_size must be at least 4 KiB, got {self.chunk_bytes} bytes")
-        for name in ("copy_threads", "flush_threads", "files_per_rank"):
+        for name in ("copy_threads", "flush_threads", "files_per_rank", "upload_concurrency"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.capture not in ("auto", "owned", "lazy", "eager"):
             raise ValueError(
                 f"capture must be 'auto', 'owned', 'lazy' or 'eager', got {self.capture!r}"
+            )
+        if not 5 * 1024**2 <= self.part_bytes <= 5 * 1024**3:  # S3's part limits
+            raise ValueError(
+                f"upload_part_size must be between 5 MiB and 5 GiB, got {self.part_bytes} bytes"
             )
         if not 0 <= self.flush_nice <= 19:
             raise ValueError(f"flush_nice must be within 0..19, got {self.flush_nice!r}")
