@@ -24,7 +24,7 @@ from conftest import HANG_S, assert_state_equal, in_thread, zeros_like_state
 from s3_server import S3Bucket, s3_bucket_fixture, s3_server_fixture  # noqa: F401 - fixtures
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from dcp_datastates import DataStatesWriter, remote
+from dcp_datastates import DataStatesWriter, cli, remote
 from dcp_datastates.checkpoints import RetentionPolicy
 from dcp_datastates.verify import verify_checkpoint
 
@@ -169,7 +169,7 @@ def test_failed_upload_aborts_and_commits_nothing(
 
 
 def test_server_stopped_mid_upload_fails_cleanly_and_cleanup_removes_it(
-    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
+    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls = S3Calls(monkeypatch)
     calls.fail = ("upload_part", 2)
@@ -198,7 +198,12 @@ def test_server_stopped_mid_upload_fails_cleanly_and_cleanup_removes_it(
         # Too recent for min_age: kept; then removed with its unfinished upload aborted.
         so = s3.storage_options
         assert remote.cleanup_incomplete(root, min_age=3600, storage_options=so) == []
-        assert remote.cleanup_incomplete(root, min_age=0, storage_options=so) == [url]
+        # The command line (options from fsspec's configuration) refuses without --min-age.
+        monkeypatch.setitem(fsspec.config.conf, "s3", so)
+        assert cli.main(["cleanup", root]) == 2
+        assert "needs --min-age" in capsys.readouterr().err
+        assert cli.main(["cleanup", root, "--min-age", "0"]) == 0
+        assert capsys.readouterr().out.strip() == f"removed {url}"
     assert s3.keys("stopped") == [] and s3.pending_uploads() == []
 
 
