@@ -11,8 +11,10 @@ cleanup of partial checkpoints) work on the bucket.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -260,3 +262,18 @@ def test_bad_upload_settings_are_refused(s3: S3Bucket) -> None:
         make_writer(s3, upload_part_size="4MiB")
     with pytest.raises(ValueError, match="upload_concurrency"):
         make_writer(s3, upload_concurrency=0)
+
+
+def test_upload_benchmark_runs(s3: S3Bucket, tmp_path: Any) -> None:
+    """benchmarks/s3_upload.py in its smallest form, against the test server (keeps it working)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import s3_upload
+
+    out = tmp_path / "s3.json"
+    args = ["--mib", "6", "--rounds", "1", "--part-mib", "5", "--cache-mib", "16"]
+    assert s3_upload.main([*args, "--endpoint", s3.server.endpoint, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["bytes"] > 6 * MiB
+    assert set(res["contenders"]) == {"datastates", "s3fs_put", "s3fs_put_part"}
