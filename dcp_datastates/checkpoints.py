@@ -205,6 +205,7 @@ def local_root(root: PathLike) -> Path:
         return Path(urllib.parse.unquote(url.path))
     raise ValueError(
         f"{text}: only local paths and file:// URLs are supported by dcp_datastates.checkpoints"
+        " (object stores and other fsspec URLs: dcp_datastates.remote)"
     )
 
 

@@ -7,7 +7,9 @@ something could not be verified (a save made with ``checksums=False``). ``cleanu
 success and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
 checkpoint cannot be exported (damaged data, a tensor safetensors cannot hold: the error names
 it), 2 if the input is not a checkpoint, the output exists (without ``--overwrite``) or on bad
-usage.
+usage. Object-store URLs (``s3://...``) take
+their storage options from fsspec's configuration (``FSSPEC_S3='{"endpoint_url": ...}'``);
+``cleanup`` of such a root requires ``--min-age`` (:mod:`dcp_datastates.remote`).
 """
 
 from __future__ import annotations
@@ -29,14 +31,35 @@ def _verify(paths: list[str]) -> int:
     return EXIT_OK
 
 
-def _cleanup(root: str, min_age: float, exclude: list[str]) -> int:
+def _cleanup_remote(root: str, min_age: float | None, exclude: list[str]) -> int:
+    """Object stores (no lock there): --min-age is required; options from FSSPEC_<PROTOCOL>."""
+    from .remote import cleanup_incomplete
+
+    if min_age is None:
+        print(
+            f"error: {root} is not a local path: object stores have no lock, so cleanup needs "
+            "--min-age SECONDS, longer than your longest save",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    try:
+        removed = cleanup_incomplete(root, min_age=min_age, exclude=exclude)
+    except (OSError, ValueError) as e:
+        print(f"error: cleanup of {root} failed: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    for url in removed:
+        print(f"removed {url}")
+    return EXIT_OK
+
+
+def _cleanup(root: str, min_age: float | None, exclude: list[str]) -> int:
     from .checkpoints import cleanup_incomplete, local_root
 
     try:
         path = local_root(root)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    except ValueError:
+        return _cleanup_remote(root, min_age, exclude)
+    min_age = 0.0 if min_age is None else min_age
     if not path.exists():
         print(f"error: checkpoint root {root} does not exist", file=sys.stderr)
         return EXIT_ERROR
@@ -108,13 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         "cleanup",
         help="remove partial (never committed) checkpoints under ROOT whose writer is gone",
     )
-    c.add_argument("root", help="checkpoint root (a local path or file:// URL)")
+    c.add_argument(
+        "root", help="checkpoint root (a local path, file:// URL, or fsspec URL such as s3://)"
+    )
     c.add_argument(
         "--min-age",
         type=float,
-        default=0.0,
+        default=None,
         metavar="SECONDS",
-        help="only remove partial checkpoints untouched for at least SECONDS",
+        help="only remove partial checkpoints untouched for at least SECONDS (default 0 for "
+        "local roots; required for object stores, which have no lock)",
     )
     c.add_argument(
         "--exclude",
@@ -145,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.cmd == "verify":
         return _verify(args.paths)
-    if args.min_age < 0:
+    if args.min_age is not None and args.min_age < 0:
         p.error("--min-age must be >= 0")
     return _cleanup(args.root, args.min_age, args.exclude)
 

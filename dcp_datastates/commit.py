@@ -93,6 +93,12 @@ def claim_path(key: str) -> None:
         _active_paths.add(key)
 
 
+def claimed_paths() -> set[str]:
+    """The claim keys of the saves in flight in this process (real paths, or URLs)."""
+    with _active_lock:
+        return set(_active_paths)
+
+
 def release_path(key: str) -> None:
     """Releases the claim on ``key``: the in-process mark and the cross-process lock (if any).
 
@@ -248,9 +254,9 @@ def claim_and_prepare(d: CheckpointDir, durable: bool) -> str:
 class CheckpointDir:
     """File operations on one checkpoint directory, local (native path) or through fsspec."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = path
-        self.fs, self.path = fsspec.core.url_to_fs(path)
+        self.fs, self.path = fsspec.core.url_to_fs(path, **(storage_options or {}))
         self.local = "file" in _protocols(self.fs)
 
     @property
@@ -289,9 +295,14 @@ class CheckpointDir:
             if durable:
                 fsync_dir(self.path)
             return
+        self.fs.invalidate_cache(self.path)  # object stores: list what is there now
         if self.fs.exists(meta):
             self.fs.rm_file(meta)
-        for p in self.fs.ls(self.path, detail=False):
+        try:
+            listed = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:  # object stores: a prefix exists only once it holds objects
+            listed = []
+        for p in listed:
             if is_owned_name(p.rstrip("/").rsplit("/", 1)[-1]):
                 self.fs.rm_file(p)
         with self.fs.open(self.join(INCOMPLETE_MARKER), "wb") as f:

@@ -89,6 +89,8 @@ class WriterConfig:
         step_barrier: take part in the automatic optimizer-step barrier.
         format: "torch" (tensors as torch.save archives, loadable by the stock dcp.load) or
             "safetensors" (each rank's tensors in ``.safetensors`` files; docs/format.md).
+        part_bytes: object stores (s3://): bytes of each multipart-upload part but the last.
+        upload_concurrency: object stores (s3://): parts of one object uploading at once.
     """
 
     cache_bytes: int
@@ -106,6 +108,8 @@ class WriterConfig:
     flush_idle: bool = False
     step_barrier: bool = True
     format: CheckpointFormat = "torch"
+    part_bytes: int = 16 * 1024**2
+    upload_concurrency: int = 4
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -118,7 +122,7 @@ class WriterConfig:
             )
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_size must be at least 4 KiB, got {self.chunk_bytes} bytes")
-        for name in ("copy_threads", "flush_threads", "files_per_rank"):
+        for name in ("copy_threads", "flush_threads", "files_per_rank", "upload_concurrency"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -128,5 +132,9 @@ class WriterConfig:
             )
         if self.format not in ("torch", "safetensors"):
             raise ValueError(f"format must be 'torch' or 'safetensors', got {self.format!r}")
+        if not 5 * 1024**2 <= self.part_bytes <= 5 * 1024**3:  # S3's part limits
+            raise ValueError(
+                f"upload_part_size must be between 5 MiB and 5 GiB, got {self.part_bytes} bytes"
+            )
         if not 0 <= self.flush_nice <= 19:
             raise ValueError(f"flush_nice must be within 0..19, got {self.flush_nice!r}")

@@ -18,7 +18,7 @@ import os
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .capture import SaveJob
 from .commit import CheckpointDir, claim_and_prepare, release_path
@@ -41,6 +41,11 @@ class SaveContext:
     meta_taken: bool = False  # storage_meta() ran: the next storage_meta() begins a new save
     finished: bool = False  # finish() ran (coordinator) or the context ended
     ended: bool = False
+    storage_options: dict[str, Any] | None = None  # fsspec options of non-local URLs
+
+    def directory(self) -> CheckpointDir:
+        """The checkpoint directory of this save (with the writer's storage options)."""
+        return CheckpointDir(self.path, self.storage_options)
 
 
 class ContextHolder:
@@ -70,7 +75,7 @@ def claim_path(ctx: SaveContext, durable: bool) -> None:
     In-process and cross-process (marker flock) claim, then the overwritten checkpoint's files
     go; on failure the claim is released inside (commit.claim_and_prepare) and the error raised.
     """
-    ctx.path_key = claim_and_prepare(CheckpointDir(ctx.path), durable)
+    ctx.path_key = claim_and_prepare(ctx.directory(), durable)
 
 
 def release_claim(ctx: SaveContext) -> None:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _core
 from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
-from .commit import CheckpointDir, manifest_name
+from .commit import manifest_name
 from .config import WriterConfig
 from .contexts import SaveContext
 from .engine import Engine
@@ -64,7 +64,7 @@ class Placer:
         """
         if self.config.format == "safetensors":  # the safetensors layout (its own module)
             return write_safetensors(self, ctx, job, plan, planner)
-        d = CheckpointDir(ctx.path)
+        d = ctx.directory()
         d.ensure_exists()
         eng = self._engine
         nfiles = self.config.files_per_rank if d.local else 1
@@ -160,7 +160,8 @@ class Placer:
 
         for f, items in sink.items():
             for e, c, off, n, crc in write_sequential(
-                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items
+                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items,
+                part_bytes=self.config.part_bytes, concurrency=self.config.upload_concurrency,
             ):
                 ext_records.append((e, c, f, off, n, crc))
 

@@ -54,7 +54,7 @@ from torch.futures import Future
 
 from . import _core
 from .capture import raise_if_modified
-from .commit import CheckpointDir, manifest_name
+from .commit import manifest_name
 from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
 from .layout import data_file_name
@@ -216,7 +216,7 @@ def write_safetensors(
     The counterpart of :meth:`Placer.write <dcp_datastates.placement.Placer.write>` (same
     threads, waits and failure handling: it raises, the writer fails the job).
     """
-    d = CheckpointDir(ctx.path)
+    d = ctx.directory()
     d.ensure_exists()
     eng = placer._engine
     staged_sd = getattr(planner, "state_dict", None)

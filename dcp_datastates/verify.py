@@ -225,8 +225,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class _Verifier:
     """State of one verification (one checkpoint)."""
 
-    def __init__(self, path: str, rep: VerifyReport) -> None:
-        self.d = CheckpointDir(path)
+    def __init__(
+        self, path: str, rep: VerifyReport, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self.d = CheckpointDir(path, storage_options)
+        self.d.fs.invalidate_cache(self.d.path)  # object stores: list what is there now
         self.rep = rep
         self.files: dict[str, BinaryIO | None] = {}
         self.sizes: dict[str, int | None] = {}
@@ -622,17 +625,21 @@ class _Verifier:
 
 
 def verify_checkpoint(
-    path: str | os.PathLike[str], *, raise_on_error: bool = False
+    path: str | os.PathLike[str],
+    *,
+    raise_on_error: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Verifies the checkpoint at ``path`` (local path or fsspec URL); never raises for damage.
 
     Returns a :class:`VerifyReport`. With ``raise_on_error`` a damaged checkpoint, or one that
     cannot be checked, raises IntegrityError with the report's summary instead.
+    ``storage_options`` are the fsspec options of a non-local URL (as given to the writer).
     """
     spath = os.fspath(path)
     rep = VerifyReport(path=spath)
     try:
-        v = _Verifier(spath, rep)
+        v = _Verifier(spath, rep, storage_options)
     except (ValueError, ImportError, OSError) as e:  # a URL fsspec cannot handle
         rep.error = f"cannot open: {type(e).__name__}: {e}"
     else:
@@ -647,13 +654,15 @@ def verify_checkpoint(
     return rep
 
 
-def verify_paths(paths: list[str]) -> list[VerifyReport]:
+def verify_paths(
+    paths: list[str], storage_options: dict[str, Any] | None = None
+) -> list[VerifyReport]:
     """Verifies each path; a checkpoint root is expanded into the checkpoints under it."""
     out: list[VerifyReport] = []
     for p in paths:
-        rep = verify_checkpoint(p)
+        rep = verify_checkpoint(p, storage_options=storage_options)
         if rep.children:
-            out += [verify_checkpoint(c) for c in rep.children]
+            out += [verify_checkpoint(c, storage_options=storage_options) for c in rep.children]
         else:
             out.append(rep)
     return out

@@ -182,6 +182,14 @@ class DataStatesWriter(StorageWriter):
             ``safetensors.safe_open`` and torch's ``HuggingFaceStorageReader`` load; load the
             whole checkpoint (non-tensor values included) with ``dcp_datastates.load``
             (docs/format.md, "safetensors format").
+        storage_options: fsspec options for non-local URLs (``s3://``: ``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs``, ``config_kwargs``...), passed to the file system of
+            every save's path; the same dict loads it (``FsspecReader(url, **storage_options)``).
+        upload_part_size: object stores (``s3://``): size of each multipart-upload part but the
+            last (default "16MiB"; 5 MiB .. 5 GiB). A file smaller than one part is one PUT.
+        upload_concurrency: object stores (``s3://``): parts of one file uploading at once
+            (default 4). Memory beyond the host cache: ``(upload_concurrency + 1) *
+            upload_part_size`` per save in flight.
 
     Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
     is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
@@ -210,6 +218,9 @@ class DataStatesWriter(StorageWriter):
         pin_memory: bool | None = None,
         overwrite: bool = True,
         format: CheckpointFormat = "torch",  # noqa: A002 - the option's documented name
+        storage_options: dict[str, Any] | None = None,
+        upload_part_size: int | str = "16MiB",
+        upload_concurrency: int = 4,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -231,7 +242,10 @@ class DataStatesWriter(StorageWriter):
             flush_idle=flush_idle,
             step_barrier=step_barrier,
             format=format,
+            part_bytes=parse_size(upload_part_size, default_unit=1, what="upload_part_size"),
+            upload_concurrency=upload_concurrency,
         )
+        self.storage_options = dict(storage_options or {})
         self._engine = Engine(self.config)
         if pin_memory or (pin_memory is None and torch.cuda.is_available()):
             # Page-lock the cache now rather than on the first CUDA save (cudaHostRegister of a
@@ -492,7 +506,7 @@ class DataStatesWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:
             ctx = self._context()
-            d = CheckpointDir(ctx.path)
+            d = ctx.directory()
             if d.fs.exists(d.join(METADATA_FILE)):
                 raise FileExistsError(
                     f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
@@ -542,7 +556,7 @@ class DataStatesWriter(StorageWriter):
                 storage_md.update({wr.index: wr.storage_data for wr in wr_list})
             metadata.storage_data = storage_md
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
-            CheckpointDir(ctx.path).commit(metadata, self.config.durable)
+            ctx.directory().commit(metadata, self.config.durable)
             self._table.mark_committed(ctx.path, time.perf_counter())
         finally:
             ctx.finished = True
@@ -554,7 +568,7 @@ class DataStatesWriter(StorageWriter):
         old = getattr(self._tls, "holder", None)
         if old is not None:
             self._end_context(old.ctx)
-        ctx = SaveContext(path=path)
+        ctx = SaveContext(path=path, storage_options=self.storage_options or None)
         holder = ContextHolder(ctx)
         # The finalizer holds the writer weakly: a strong reference (a bound method) would keep
         # every writer used from a long-lived thread alive forever, cache and threads included.
