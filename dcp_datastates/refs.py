@@ -44,14 +44,14 @@ class CheckpointReferencedError(RuntimeError):
 
 
 
-def lock_shared(dir_path: str, timeout_s: float = _LOCK_WAIT_S) -> int | None:
+def lock_shared(dir_path: str, timeout_s: float | None = None) -> int | None:
     """A shared ``flock`` on ``dir_path``'s marker (created if missing; never a symlink).
 
     Returns the descriptor (release with :func:`unlock`), or None when the directory is gone or
     an exclusive holder (a prune, cleanup or overwrite of it) kept it past ``timeout_s``.
     """
     marker = os.path.join(dir_path, _MARKER)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (_LOCK_WAIT_S if timeout_s is None else timeout_s)
     while True:
         try:
             fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
