@@ -293,6 +293,24 @@ def test_owner_locked_by_a_deletion_means_a_full_write(
     assert verify_checkpoint(tmp_path / "step-2").fully_verified
 
 
+def test_fsspec_file_url_reader_follows_references(tmp_path: Path, writer_factory):
+    # checkpoint_id with "://" selects FsspecReader, which joins path and relative_path too.
+    model, opt = _make()
+    _train(model, opt)
+    w = writer_factory()
+    url = f"file://{tmp_path}"
+    for step in (1, 2):
+        state = _state(model, opt, step)
+        dcp.async_save(state, storage_writer=w, checkpoint_id=f"{url}/step-{step}").result(
+            timeout=TIMEOUT_S
+        )
+    assert _refs(tmp_path / "step-2") == {"step-1"}
+    want = model.state_dict()
+    got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(got, checkpoint_id=f"{url}/step-2")
+    assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+
+
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="incremental must be"):
         DataStatesWriter("", "16MiB", incremental="yes")  # type: ignore[arg-type]
