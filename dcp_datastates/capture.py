@@ -50,6 +50,7 @@ import torch
 from .barrier import DTensor, _local
 from .engine import Engine
 from .errors import CaptureError
+from .incremental import Owner, StageInfo, Tracker
 from .spill import SpilledTensor, spill_tensor
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class CapturedTensor:
     spill: SpilledTensor | None = None  # written to a spill file at the call (see spill.py)
     storage_ptr: int = 0  # the source's storage address and size at save time (lazy only)
     storage_nbytes: int = 0
+    incr: StageInfo | None = None  # incremental saves: identity, and the reference if unchanged
 
 
 @dataclass
@@ -174,7 +176,7 @@ class _Pending:
 
     cap: CapturedTensor
     local: torch.Tensor  # the detached tensor as the user holds it
-    at_call: str  # "must" (taken at the call) or "no" (copied in the background)
+    at_call: str  # "must" (taken at the call), "no" (copied in the background) or "ref"
 
 
 class Stager:
@@ -185,12 +187,18 @@ class Stager:
     """
 
     def __init__(
-        self, engine: Engine, capture_mode: str, spill_dirs: list[str] | None = None
+        self,
+        engine: Engine,
+        capture_mode: str,
+        spill_dirs: list[str] | None = None,
+        incremental: Tracker | None = None,
     ) -> None:
         self._engine = engine
         self._mode = capture_mode
         self._spill_dirs = spill_dirs if spill_dirs is not None else [tempfile.gettempdir()]
         self._warned_overflow = False
+        self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
+        self._owners_valid: dict[Owner, bool] = {}  # owner checks of the current stage() call
 
     def stage(
         self, state_dict: Mapping[str, Any], owners: Mapping[int, int]
@@ -208,6 +216,7 @@ class Stager:
         seq = next(_SEQ)
         job = SaveJob(engine_job=self._engine.create_job(f"save-{seq}"), seq=seq, t_stage=t0)
         pending: list[_Pending] = []
+        self._owners_valid = {}
         try:
             staged = self._walk(state_dict, "", job, owners, pending)
             self._capture(job, pending)
@@ -275,6 +284,14 @@ class Stager:
         else:  # auto, owned
             lazy_ok = simple and owner is not None
         on_cpu = local.device.type == "cpu"
+        # Incremental saves: a tensor unchanged since the previous save is referenced, never
+        # copied nor written (dcp_datastates.incremental decides).
+        info = None
+        if self._incremental is not None:
+            info = self._incremental.check(
+                name, local, owner is not None, simple, self._owners_valid
+            )
+        referenced = info is not None and info.ref is not None
         if not on_cpu:
             at_call = "no"
         elif lazy_ok:
@@ -284,7 +301,7 @@ class Stager:
         if on_cpu:
             # Non-contiguous views (and conj/neg bits) are compacted: a transient copy.
             source = local if simple else local.resolve_conj().resolve_neg().contiguous()
-        elif lazy_ok:
+        elif lazy_ok or referenced:
             source = local
         else:
             source = local.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
@@ -303,6 +320,9 @@ class Stager:
         cap.owner = owner if lazy_ok and mode != "lazy" else None
         if not on_cpu and not lazy_ok:
             cap.lazy = False  # a private clone: copied in the background, exact already
+        cap.incr = info
+        if referenced:
+            at_call, cap.lazy, cap.owner = "ref", False, None
         out.append(_Pending(cap, local, at_call))
         return staged
 
@@ -321,6 +341,11 @@ class Stager:
         # State that must be taken now first (it may wait for space), then what may be lazy.
         for p in sorted(pending, key=lambda p: p.at_call != "must"):
             cap = p.cap
+            if p.at_call == "ref":  # incremental: referenced, neither copied nor written
+                eng.skip(job.engine_job, cap.entry)
+                cap.at_call = True
+                cap.source = _RELEASED  # cap.incr keeps the tensor for a fallback write
+                continue
             if p.at_call == "no":
                 self._make_lazy(job, cap)
                 continue

@@ -41,15 +41,16 @@ writer that died, so its partial directory becomes removable at once. Several pr
 may run cleanup/prune on one root at the same time: files and directories vanishing
 underneath are expected and skipped.
 
-Roots are local paths or ``file://`` URLs. This module uses only the standard library and
-the lock helpers of :mod:`dcp_datastates.commit` (no torch), so job launchers and cron
-jobs can use it cheaply.
+Roots are local paths or ``file://`` URLs. This module uses only the standard library, the
+lock helpers of :mod:`dcp_datastates.commit` and the reference scan of
+:mod:`dcp_datastates.refs` (no torch), so job launchers and cron jobs can use it cheaply.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import logging
 import os
 import re
 import shutil
@@ -61,6 +62,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .commit import lock_marker, unlock_marker
+from .refs import keep_reason
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "INCOMPLETE_MARKER",
@@ -400,14 +404,18 @@ def _rmdir_quiet(path: Path) -> bool:
     return True
 
 
-def _remove_checkpoint_dir(path: Path, expect: CheckpointState) -> bool:
+def _remove_checkpoint_dir(
+    path: Path, expect: CheckpointState, kept: dict[Path, str] | None = None
+) -> bool:
     """Delete a checkpoint directory so that a crash midway leaves it *partial*.
 
     Takes the directory's lock first (the marker's ``flock``, as a save does) and gives up,
     returning False, if a live process holds it, if the directory vanished, or if it is no
     longer in state ``expect`` (a save committed or started meanwhile). Under the lock: remove
     ``.metadata`` and make that durable, remove every other entry, remove the marker, remove
-    the directory. Entries vanishing meanwhile (a concurrent cleanup) are skipped.
+    the directory. Entries vanishing meanwhile (a concurrent cleanup) are skipped. A directory
+    that another checkpoint references (incremental saves, :func:`dcp_datastates.refs.keep_reason`,
+    checked under the lock) is kept: returns False and records why in ``kept``.
     """
     if _state_of(path) is not expect:
         return False
@@ -426,6 +434,12 @@ def _remove_checkpoint_dir(path: Path, expect: CheckpointState) -> bool:
         return False  # a live writer (or another deletion) holds it
     try:
         if _state_of(path) is not expect:
+            return False
+        why = keep_reason(path)
+        if why is not None:
+            logger.info("keeping %s: %s", path, why)
+            if kept is not None:
+                kept[path] = why
             return False
         metadata = path / METADATA_FILE
         if metadata.exists():
@@ -460,7 +474,11 @@ def _age_s(path: Path, now: float) -> float:
 
 
 def cleanup_incomplete(
-    root: PathLike, *, exclude: Collection[PathLike] = (), min_age: float = 0.0
+    root: PathLike,
+    *,
+    exclude: Collection[PathLike] = (),
+    min_age: float = 0.0,
+    kept: dict[Path, str] | None = None,
 ) -> list[Path]:
     """Remove partial checkpoints (marker present, no ``.metadata``) under ``root``.
 
@@ -468,7 +486,9 @@ def cleanup_incomplete(
     marker is locked by a live process, in any process on this host), one listed in
     ``exclude`` (names under ``root`` or paths), nor one in which anything changed less than
     ``min_age`` seconds ago. Safe to run from several processes at once. A root that does
-    not exist has nothing to clean (the command line reports it as an error).
+    not exist has nothing to clean (the command line reports it as an error). A directory
+    another checkpoint references (incremental saves) is kept, logged, and recorded with the
+    reason in ``kept`` if given.
 
     Returns:
         The removed directories, sorted by step.
@@ -487,13 +507,17 @@ def cleanup_incomplete(
                 continue
         except FileNotFoundError:
             continue
-        if _remove_checkpoint_dir(info.path, CheckpointState.PARTIAL):
+        if _remove_checkpoint_dir(info.path, CheckpointState.PARTIAL, kept):
             removed.append(info.path)
     return removed
 
 
 def prune(
-    root: PathLike, policy: RetentionPolicy, *, exclude: Collection[PathLike] = ()
+    root: PathLike,
+    policy: RetentionPolicy,
+    *,
+    exclude: Collection[PathLike] = (),
+    kept: dict[Path, str] | None = None,
 ) -> list[Path]:
     """Delete the complete checkpoints that ``policy`` does not keep.
 
@@ -501,6 +525,13 @@ def prune(
     flight), or the checkpoint :func:`latest_complete` returns (the one ``latest``
     points to, or the newest complete one if the pointer is unusable). Excluded and
     partial directories do not count towards ``keep_last``.
+
+    Incremental saves: a checkpoint whose data files another checkpoint of the root
+    references (complete or partial, through its manifests) is kept whole, still loadable;
+    it is logged and recorded with the reason (the referrers) in ``kept`` if given. The
+    check runs under the directory's lock, so a save adding a reference meanwhile is seen.
+    Candidates are deleted newest first, so an owner whose only referrers go in the same
+    call goes too.
 
     Returns:
         The deleted directories, sorted by step.
@@ -523,9 +554,9 @@ def prune(
     latest = latest_complete(root_path)
     protected = latest.resolve() if latest is not None else None
     removed: list[Path] = []
-    for info in complete:
+    for info in reversed(complete):  # referrers are newer than what they reference
         if info.step in kept_steps or info.path.resolve() == protected:
             continue
-        if _remove_checkpoint_dir(info.path, CheckpointState.COMPLETE):
+        if _remove_checkpoint_dir(info.path, CheckpointState.COMPLETE, kept):
             removed.append(info.path)
-    return removed
+    return removed[::-1]

@@ -47,6 +47,7 @@ from typing import Any
 import fsspec
 
 from .errors import CheckpointBusyError
+from .refs import refuse_if_referenced
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ def claim_and_prepare(d: CheckpointDir, durable: bool) -> str:
                 raise OSError(errno.ENOENT, "checkpoint directory keeps vanishing", d.path)
             with _active_lock:
                 _held_fds[key] = fd
+            refuse_if_referenced(d.path)  # incremental saves: others may need its data files
         d.prepare(durable)
     except BaseException:
         release_path(key)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MANIFEST_VERSION = 1
+MANIFEST_VERSION_REFS = 2  # a manifest with references to other checkpoints (incremental saves)
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ItemRecord:
     dtype: str  # torch dtype name, or "bytes"
     shape: list[int]
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (file offset, bytes, crc)
+    # Incremental saves: the sibling checkpoint directory that holds the bytes (``file`` and the
+    # offsets are in it; ``.metadata`` records ``../<ref>/<file>``). None: in this checkpoint.
+    ref: str | None = None
 
 
 @dataclass
@@ -39,7 +43,16 @@ class RankManifest:
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        raw = asdict(self)
+        has_refs = False
+        for it in raw["items"]:
+            if it["ref"] is None:
+                del it["ref"]  # a manifest without references stays version 1
+            else:
+                has_refs = True
+        if has_refs:
+            raw["version"] = MANIFEST_VERSION_REFS
+        return json.dumps(raw, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> RankManifest:
@@ -50,7 +63,7 @@ class RankManifest:
             raise ValueError(f"not valid JSON: {e}") from e
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-        if raw.get("version") != MANIFEST_VERSION:
+        if raw.get("version") not in (MANIFEST_VERSION, MANIFEST_VERSION_REFS):
             raise ValueError(f"unsupported manifest version {raw.get('version')!r}")
         rank = _field(raw, "rank", int)
         checksums = _field(raw, "checksums", bool)
@@ -97,7 +110,11 @@ def _item(it: Any, i: int) -> ItemRecord:
         ints[name] = _field(it, name, int, where)
         if ints[name] < 0:
             raise ValueError(f"{where}field '{name}' is negative")
+    ref = it.get("ref")
+    if ref is not None and not isinstance(ref, str):
+        raise ValueError(f"{where}field 'ref' is not a str: {ref!r:.80}")
     return ItemRecord(
+        ref=ref,
         fqn=fqn,
         offset=None if offset is None else _ints(offset, f"{where}'offset'"),
         file=_field(it, "file", str, where),

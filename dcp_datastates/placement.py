@@ -35,6 +35,7 @@ from .contexts import SaveContext
 from .engine import Engine
 from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
+from .incremental import StageInfo, Tracker
 from .layout import FileLayout, TemplateCache, data_file_name
 from .manifest import ItemRecord, RankManifest
 from .safetensors_format import write_safetensors
@@ -46,12 +47,18 @@ class Placer:
     """Places and writes the items of one save job (see the module docstring)."""
 
     def __init__(
-        self, engine: Engine, templates: TemplateCache, stager: Stager, config: WriterConfig
+        self,
+        engine: Engine,
+        templates: TemplateCache,
+        stager: Stager,
+        config: WriterConfig,
+        incremental: Tracker | None = None,
     ) -> None:
         self._engine = engine
         self._templates = templates
         self._stager = stager
         self.config = config
+        self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
 
     def write(
         self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
@@ -64,6 +71,26 @@ class Placer:
         """
         if self.config.format == "safetensors":  # the safetensors layout (its own module)
             return write_safetensors(self, ctx, job, plan, planner)
+        if self._incremental is None:
+            return self._write(ctx, job, plan, planner, None)
+        # Incremental saves: the owners of referenced bytes stay locked (shared) and validated
+        # until this rank's manifest, which names them, is durable (dcp_datastates.refs).
+        d = ctx.directory()
+        infos = [t.incr for t in job.tensors if t.incr is not None]
+        locks = self._incremental.acquire(d.path, d.local, infos)
+        try:
+            return self._write(ctx, job, plan, planner, infos)
+        finally:
+            locks.release()
+
+    def _write(
+        self,
+        ctx: SaveContext,
+        job: SaveJob,
+        plan: SavePlan,
+        planner: SavePlanner,
+        infos: list[StageInfo] | None,
+    ) -> list[WriteResult]:
         d = ctx.directory()
         d.ensure_exists()
         eng = self._engine
@@ -77,6 +104,7 @@ class Placer:
         bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
         spilled: list[tuple[CapturedTensor, int, int, int, Any]] = []
         added_late = False
+        referenced: list[tuple[StageInfo, ItemRecord]] = []  # incremental saves
 
         def fid(f: int) -> int:
             if f not in file_ids:
@@ -108,6 +136,16 @@ class Placer:
                 results.append(write_result(item, data_file_name(ctx.rank, f), off, len(raw)))
                 continue
             cap = self.lookup(job, staged_sd, item)
+            if cap is not None and cap.incr is not None and cap.incr.ref is not None:
+                assert self._incremental is not None
+                hit = self._incremental.reference(ctx.rank, item, cap.incr)
+                if hit is not None:  # unchanged: .metadata points at the owner's bytes
+                    rel, off, length, rec = hit
+                    referenced.append((cap.incr, rec))
+                    results.append(write_result(item, rel, off, length))
+                    continue
+                cap = self.write_instead(job, item, cap.incr)  # owner unusable: write it
+                added_late = True
             if cap is None:
                 cap = self.capture_late(job, item, planner)
                 added_late = True
@@ -173,9 +211,22 @@ class Placer:
                 job.verified = True
             job.release_sources()
         eng.wait_done(job.engine_job)
+        if infos:
+            Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
 
         manifest = self.manifest(ctx, job, placed, bytes_crcs, ext_records)
+        manifest.items += [rec for _, rec in referenced]
         d.write_atomic(manifest_name(ctx.rank), manifest.to_json().encode(), self.config.durable)
+        if self._incremental is not None:
+            if d.local:
+                written = [
+                    (cap.incr, rec)
+                    for (_i, cap, *_r), rec in zip(placed, manifest.items, strict=False)
+                    if cap.incr is not None
+                ]
+                self._incremental.record(d.path, ctx.rank, ctx.save_id, written, referenced)
+            else:
+                self._incremental.forget()
         return results
 
     def lookup(
@@ -189,6 +240,17 @@ class Placer:
         cap = job.lookup(obj) if obj is not None else None
         if cap is None:
             cap = job.by_staged_id.get(id(item))  # captured late, keyed by the item
+        return cap
+
+    def write_instead(self, job: SaveJob, item: WriteItem, info: StageInfo) -> CapturedTensor:
+        """Incremental saves: a tensor referenced at the call whose owner cannot be used now is
+        written from its source (checked unchanged afterwards, ``Tracker.check_fallbacks``)."""
+        info.fallback = True
+        cap = self._stager.stage_tensor(job, info.name, info.source)
+        job.by_staged_id.pop(id(cap.staged), None)
+        job.by_staged_id[id(item)] = cap
+        cap.staged = item
+        cap.incr = info
         return cap
 
     def capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:

@@ -13,7 +13,10 @@
   the manifest's dtype and shape (``layout.build_template``); every payload chunk against its
   CRC-32C, and the chunks must cover the whole payload; byte items (non-tensor values) against
   their CRC-32C;
-- file names in the manifests and ``.metadata`` must be plain names inside the checkpoint.
+- file names in the manifests and ``.metadata`` must be plain names inside the checkpoint, or,
+  for an incremental save's references, ``../<sibling checkpoint>/<file>``: those bytes are
+  checked in the owner checkpoint against the CRC-32C the referring manifest recorded, and a
+  missing owner is reported naming it.
 
 Every problem is reported, naming the tensor, the rank and the file; nothing raises for damaged
 input (``raise_on_error`` turns problems into one IntegrityError). What could not be verified
@@ -51,6 +54,7 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
 
 from .commit import INCOMPLETE_MARKER, MANIFEST_PREFIX, METADATA_FILE, CheckpointDir
 from .errors import IntegrityError
+from .incremental import is_reference_path, relative_path
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
 from .safetensors_format import SUFFIX as SAFETENSORS_SUFFIX
@@ -327,7 +331,7 @@ class _Verifier:
             key = _key_of(fqn, off)
             rel = getattr(info, "relative_path", None)
             o, n = getattr(info, "offset", None), getattr(info, "length", None)
-            if not plain_name(rel):
+            if not plain_name(rel) and not is_reference_path(rel):  # (or incremental: ../<ck>/<f>)
                 self.problem(
                     f"'{fqn}': {METADATA_FILE} names the file {rel!r}, which is not a plain "
                     "file name inside the checkpoint"
@@ -384,7 +388,7 @@ class _Verifier:
         """True if ``.metadata`` points at any item of ``man`` where ``man`` says it lies."""
         for it in man.items:
             info = storage.get(_key_of(it.fqn, it.offset))
-            if info is not None and getattr(info, "relative_path", None) == it.file:
+            if info is not None and getattr(info, "relative_path", None) == relative_path(it):
                 return True
         return False
 
@@ -404,13 +408,13 @@ class _Verifier:
                 continue
             man, it = hit
             if (info.relative_path, info.offset, info.length) != (
-                it.file,
+                relative_path(it),
                 it.archive_offset,
                 it.archive_length,
             ):
                 self.problem(
                     f"{where} (rank {man.rank}): {METADATA_FILE} says ({info.relative_path!r}, "
-                    f"{info.offset!r}, {info.length!r}), the manifest ({it.file!r}, "
+                    f"{info.offset!r}, {info.length!r}), the manifest ({relative_path(it)!r}, "
                     f"{it.archive_offset}, {it.archive_length})"
                 )
         for key, (man, it) in by_key.items():
@@ -516,19 +520,20 @@ class _Verifier:
         return got, n - left
 
     def _check_rank(self, man: RankManifest) -> None:
+        self._check_owners(man)
         skipped_items, skipped_bytes = 0, 0
         for it in man.items:
             self.rep.items += 1
-            where = f"'{it.fqn}' (rank {man.rank}, {it.file})"
-            if not plain_name(it.file):
+            where = f"'{it.fqn}' (rank {man.rank}, {relative_path(it)})"
+            if not plain_name(it.file) or (it.ref is not None and not plain_name(it.ref)):
                 self.problem(
                     f"'{it.fqn}' (rank {man.rank}): the manifest names the file {it.file!r}, "
                     "which is not a plain file name inside the checkpoint; not opened"
                 )
                 continue
-            f, size = self._open(it.file)
+            f, size = self._open(relative_path(it))
             if f is None or size is None:
-                self.problem(f"{where}: data file is missing")
+                self.problem(f"{where}: data file is missing" + self._owner_note(it))
                 continue
             end = it.archive_offset + it.archive_length
             if size < end:
@@ -550,6 +555,28 @@ class _Verifier:
                 f"({skipped_bytes} bytes) have no checksums (saved with checksums=False); their "
                 "archive headers were checked, their data could not be"
             )
+
+    def _owner_note(self, it: ItemRecord) -> str:
+        """Incremental saves: what is wrong with the checkpoint that owns a referenced item."""
+        if it.ref is None:
+            return ""
+        owner = self.d.join(f"../{it.ref}")
+        if not self.d.fs.exists(owner):
+            return (
+                f" (its bytes live in the referenced checkpoint {it.ref}, which is missing: "
+                "deleted? this checkpoint cannot be loaded without it)"
+            )
+        return f" (its bytes live in the referenced checkpoint {it.ref}, which lacks the file)"
+
+    def _check_owners(self, man: RankManifest) -> None:
+        """Incremental saves: notes owners that are no longer committed checkpoints."""
+        for ref in sorted({it.ref for it in man.items if it.ref is not None}):
+            owner = self.d.join(f"../{ref}")
+            if self.d.fs.exists(owner) and not self.d.fs.exists(f"{owner}/{METADATA_FILE}"):
+                self.rep.notes.append(
+                    f"rank {man.rank}: the referenced checkpoint {ref} is not committed (no "
+                    f"{METADATA_FILE}); the bytes this checkpoint needs from it were checked"
+                )
 
     def _check_chunks(self, f: BinaryIO, it: ItemRecord, where: str, start: int, n: int) -> None:
         pos = start

@@ -89,6 +89,7 @@ from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
 from .engine import Engine
 from .errors import CheckpointSaveError
+from .incremental import IncrementalMode, Tracker, parse_mode
 from .jobs import (
     Binding,
     JobTable,
@@ -190,6 +191,11 @@ class DataStatesWriter(StorageWriter):
         upload_concurrency: object stores (``s3://``): parts of one file uploading at once
             (default 4). Memory beyond the host cache: ``(upload_concurrency + 1) *
             upload_part_size`` per save in flight.
+        incremental: False (default), True or "verify": a tensor unchanged since this writer's
+            previous save (same storage and version counter; "verify" also compares its
+            CRC-32C) and owned by no optimizer (frozen weights) is not written again; the new
+            ``.metadata`` points at the earlier checkpoint's bytes. Local directories only; see
+            docs/configuration.md, "Incremental saves".
 
     Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
     is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
@@ -221,6 +227,7 @@ class DataStatesWriter(StorageWriter):
         storage_options: dict[str, Any] | None = None,
         upload_part_size: int | str = "16MiB",
         upload_concurrency: int = 4,
+        incremental: IncrementalMode = False,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -246,6 +253,13 @@ class DataStatesWriter(StorageWriter):
             upload_concurrency=upload_concurrency,
         )
         self.storage_options = dict(storage_options or {})
+        mode = parse_mode(incremental)  # before the engine: a bad value allocates nothing
+        if mode != "off" and self.config.format != "torch":
+            raise ValueError(
+                f"incremental={incremental!r} needs format='torch': a {self.config.format} file "
+                "cannot point at another checkpoint's bytes"
+            )
+        self._incremental = Tracker(mode, self.config.checksums) if mode != "off" else None
         self._engine = Engine(self.config)
         if pin_memory or (pin_memory is None and torch.cuda.is_available()):
             # Page-lock the cache now rather than on the first CUDA save (cudaHostRegister of a
@@ -255,9 +269,13 @@ class DataStatesWriter(StorageWriter):
             except CheckpointSaveError:
                 self._engine.close()
                 raise
-        self._stager = Stager(self._engine, self.config.capture, _spill_dirs(self.path))
+        self._stager = Stager(
+            self._engine, self.config.capture, _spill_dirs(self.path), self._incremental
+        )
         self._templates = TemplateCache()
-        self._placer = Placer(self._engine, self._templates, self._stager, self.config)
+        self._placer = Placer(
+            self._engine, self._templates, self._stager, self.config, self._incremental
+        )
         self._table = JobTable(self._engine)  # jobs in flight, their order, failures, stats
         self._lock = self._table.lock  # also guards _protects
         self._protects: list[ProtectHandle] = []
@@ -416,7 +434,8 @@ class DataStatesWriter(StorageWriter):
         self._refuse_process_executor()
         self._table.log_unseen_failures()
         owners: dict[int, int] = {}
-        if self.config.capture in ("auto", "owned"):
+        # (incremental saves never reference optimizer-owned tensors: owners are needed then too)
+        if self.config.capture in ("auto", "owned") or self._incremental is not None:
             with self._lock:
                 opts = [o for o in (h.optimizer for h in self._protects) if o is not None]
             if self.config.step_barrier:
