@@ -1,0 +1,160 @@
+"""Nanotron's checkpoint-engine interface (the DataStates fork) on DataStatesWriter.
+
+Nanotron needs CUDA, so the adapter is tested against the interface: the engine in-process
+(parameter files with tensor metadata, optimizer state with int keys, the snapshot taken at the
+save call while the optimizer keeps stepping), and :func:`install` against a stand-in of the
+fork's ``nanotron.serialize.engine`` module in a subprocess (its abstract base class and the
+engine table the YAML key ``checkpointing_engine: datastates`` selects from).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dcp_datastates.integrations.nanotron import DataStatesNanotronEngine
+
+CONFIG = {"host_cache_size": "64MiB", "parser_threads": 1, "pin_host_cache": False}
+
+
+@pytest.fixture
+def engine() -> Iterator[DataStatesNanotronEngine]:
+    eng = DataStatesNanotronEngine(CONFIG)
+    yield eng
+    eng.close()
+
+
+def test_parameter_file_roundtrip_with_metadata(
+    engine: DataStatesNanotronEngine, tmp_path: Path
+) -> None:
+    t = torch.randn(64, 32, dtype=torch.bfloat16)
+    meta = {"version": "1.4", "local_global_slices_pairs": "[]"}
+    path = tmp_path / "model_weight.datastates"
+    engine.save({"data": t}, path, metadata=meta)
+    got = engine.load(path)  # right after the save: waits for it
+    assert got.dtype == t.dtype and torch.equal(got, t)
+    assert engine.load_metadata(path) == meta
+
+
+def test_optimizer_state_resumes_exactly(
+    engine: DataStatesNanotronEngine, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+           for k, s in opt.state_dict()["state"].items()}
+    engine.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    for _ in range(2):  # training goes on: the checkpoint keeps the state of the save call
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    engine.wait_persisted()
+    loaded = engine.load_unsafe(tmp_path / "optimizer.pt")
+    assert sorted(loaded["state"]) == [0, 1]  # int keys, not '0'/'1'
+    opt2 = torch.optim.AdamW(nn.Linear(8, 4).parameters(), lr=1e-2)
+    opt2.load_state_dict(loaded)
+    for k, s in ref.items():
+        for n, v in s.items():
+            got = opt2.state_dict()["state"][k][n]
+            assert torch.equal(got, v), (k, n)
+
+
+def test_parameters_captured_at_the_save_call(
+    engine: DataStatesNanotronEngine, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()  # the optimizer is known to the step barrier from its first step
+    expected = model.weight.detach().clone()
+    engine.save({"data": model.weight.detach()}, tmp_path / "w")
+    engine.wait()  # the trainer's call before the step
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()  # modifies the weight in place
+    assert not torch.equal(model.weight.detach(), expected)
+    assert torch.equal(engine.load(tmp_path / "w"), expected)
+
+
+def test_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'host_cache_sze'"):
+        DataStatesNanotronEngine({"host_cache_sze": 1})
+    eng = DataStatesNanotronEngine(CONFIG)
+    try:
+        with pytest.raises(FileNotFoundError, match="never"):
+            eng.load(tmp_path / "never")
+        with pytest.raises(ValueError, match="no 'data' tensor"):
+            eng.save({"x": torch.ones(1)}, tmp_path / "bad", metadata={"a": "b"})
+        eng.save({"step": 3}, tmp_path / "meta")
+        with pytest.raises(KeyError, match="not a parameter file"):
+            eng.load(tmp_path / "meta")
+    finally:
+        eng.close()
+
+
+def test_install_against_the_forks_engine_table(tmp_path: Path) -> None:
+    # A stand-in for the fork's modules: the engine ABC and the table keyed by the enum.
+    pkg = tmp_path / "nanotron"
+    (pkg / "serialize").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text(textwrap.dedent('''
+        import enum
+        class CheckpointingEngineType(str, enum.Enum):
+            TORCH = "torch"
+            DATASTATES = "datastates"
+    '''))
+    (pkg / "serialize" / "__init__.py").write_text("")
+    (pkg / "serialize" / "engine.py").write_text(textwrap.dedent('''
+        from abc import ABC, abstractmethod
+        from nanotron.config import CheckpointingEngineType
+        class CheckpointEngine(ABC):
+            def __init__(self, config=None):
+                self.config = config
+            @abstractmethod
+            def save(self, state_dict, path, metadata=None): ...
+            @abstractmethod
+            def load_unsafe(self, path, map_location=None): ...
+            @abstractmethod
+            def load(self, path, framework="pt", device="cpu"): ...
+            @abstractmethod
+            def wait(self): ...
+        class DataStatesCheckpointEngine(CheckpointEngine):
+            def __init__(self, config=None):
+                raise RuntimeError("needs CUDA")
+        _CONFIG_TO_CHECKPOINT_ENGINE_CLASS = {
+            CheckpointingEngineType.DATASTATES: DataStatesCheckpointEngine,
+        }
+        def create_checkpoint_engine_class(engine_type):
+            return _CONFIG_TO_CHECKPOINT_ENGINE_CLASS[engine_type]
+    '''))
+    code = textwrap.dedent(f'''
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        import dcp_datastates.integrations.nanotron as ds_nanotron
+        from nanotron.config import CheckpointingEngineType
+        from nanotron.serialize import engine
+        ds_nanotron.install()
+        cls = engine.create_checkpoint_engine_class(CheckpointingEngineType("datastates"))
+        assert cls is ds_nanotron.DataStatesNanotronEngine
+        assert issubclass(cls, engine.CheckpointEngine)
+        cfg = {{"host_cache_size": 0.0625, "parser_threads": 1, "pin_host_cache": False}}
+        eng = cls(config=cfg)
+        eng.save({{"data": torch.arange(6.0)}}, {str(tmp_path / "p")!r})
+        assert torch.equal(eng.load({str(tmp_path / "p")!r}), torch.arange(6.0))
+        eng.close()
+        print("OK")
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
