@@ -193,6 +193,16 @@ class Engine:
         with translate_errors("save failed"):
             return bool(self._core.wait_captured(job, -1.0 if timeout_s is None else timeout_s))
 
+    def help_until_captured(self, job: int, timeout_s: float | None = None) -> bool:
+        """As :meth:`wait_captured`, but this thread runs queued host copies meanwhile.
+
+        For barriers in the training thread (it is blocked anyway): the copies progress even
+        when the idle-priority copy threads get no CPU time (other busy processes).
+        """
+        with translate_errors("save failed"):
+            t = -1.0 if timeout_s is None else timeout_s
+            return bool(self._core.help_until_captured(job, t))
+
     def wait_done(self, job: int, timeout_s: float | None = None) -> bool:
         with translate_errors("save failed"):
             return bool(self._core.wait_done(job, -1.0 if timeout_s is None else timeout_s))

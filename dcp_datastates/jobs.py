@@ -417,7 +417,9 @@ class JobTable:
                 if job.finished or job.verified:
                     return True
                 was_captured = self._engine.is_captured(job.engine_job)
-                if not self._engine.wait_captured(job.engine_job, timeout):
+                # The caller (training thread) is blocked anyway: it copies while it waits, so
+                # the barrier cannot starve behind idle-priority copy threads.
+                if not self._engine.help_until_captured(job.engine_job, timeout):
                     return False  # the time waited is added in `finally`
                 if job.captured_before_barrier is None:
                     job.captured_before_barrier = was_captured

@@ -258,6 +258,13 @@ PYBIND11_MODULE(_core, m) {
              return e.wait_captured(job, timeout_s);
            },
            py::arg("job"), py::arg("timeout_s") = -1.0)
+      .def("help_until_captured",
+           [](EngineHandle& h, std::uint64_t job, double timeout_s) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             return e.help_until_captured(job, timeout_s);
+           },
+           py::arg("job"), py::arg("timeout_s") = -1.0)
       .def("wait_done",
            [](EngineHandle& h, std::uint64_t job, double timeout_s) {
              Engine& e = h.get();
@@ -298,6 +305,7 @@ PYBIND11_MODULE(_core, m) {
              d["open_files"] = c.open_files;
              d["pending_copies"] = c.pending_copies;
              d["pending_flushes"] = c.pending_flushes;
+             d["helped_copies"] = c.helped_copies;
              return d;
            })
       .def("pause_copies", [](EngineHandle& h, bool p) { h.get().pause_copies(p); },

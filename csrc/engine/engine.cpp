@@ -504,10 +504,32 @@ void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uin
   }
 }
 
+bool Engine::pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes,
+                             std::uint64_t& ticket, bool host_only) {
+  while (!copy_queue_.empty()) {
+    const CopyTask front = copy_queue_.front();
+    auto it = jobs_.find(front.job);
+    if (it != jobs_.end() && host_only && it->second->entries[front.entry].device >= 0)
+      return false;  // a CUDA copy: left to the copy threads and their streams
+    copy_queue_.pop_front();
+    if (it == jobs_.end()) continue;
+    Chunk& c = it->second->entries[front.entry].chunks[front.chunk];
+    if (c.state != ChunkState::kPending) continue;  // skipped or failed meanwhile
+    c.state = ChunkState::kCopying;
+    task = front;
+    job = it->second.get();
+    bytes = c.bytes;
+    // Tickets are taken in queue order under mu_, so cache space is granted in queue order.
+    ticket = ring_.take_ticket();
+    return true;
+  }
+  return false;
+}
+
 void Engine::copy_loop(int /*index*/) {
   set_thread_priority(options_, /*flush=*/false);
   // Per-thread CUDA resources, created on first use, one stream/event per device.
-  std::map<int, std::pair<CudaRuntime::Stream, CudaRuntime::Event>> cuda_res;
+  CudaResources cuda_res;
   int current_device = -1;
   for (;;) {
     CopyTask task{};
@@ -518,90 +540,85 @@ void Engine::copy_loop(int /*index*/) {
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [&] { return stop_ || (!paused_ && !copy_queue_.empty()); });
       if (stop_) break;
-      task = copy_queue_.front();
-      copy_queue_.pop_front();
-      auto it = jobs_.find(task.job);
-      if (it == jobs_.end()) continue;
-      job = it->second.get();
-      Chunk& c = job->entries[task.entry].chunks[task.chunk];
-      if (c.state != ChunkState::kPending) continue;  // skipped or failed meanwhile
-      c.state = ChunkState::kCopying;
-      bytes = c.bytes;
-      // Tickets are taken in queue order under mu_, so cache space is granted in queue order.
-      ticket = ring_.take_ticket();
+      if (!pop_copy_locked(task, job, bytes, ticket, /*host_only=*/false)) continue;
     }
-    std::atomic<bool>& failed = job->failed;
-    auto off = ring_.allocate_with_ticket(ticket, bytes, align_,
-                                          [&] { return failed.load(); });
-    std::string error;
-    std::uint32_t crc = 0;
-    bool crc_valid = false;
-    const double t0 = now_s();
-    if (off) {
-      try {
-        std::unique_lock<std::mutex> lock(mu_);
-        const Entry e = [&] {  // a copy without the chunk vector would do; entries are small
-          const Entry& src = job->entries[task.entry];
-          Entry copy;
-          copy.name = src.name;
-          copy.src = src.src;
-          copy.device = src.device;
-          copy.ready_event = src.ready_event;
-          return copy;
-        }();
-        const Chunk c = job->entries[task.entry].chunks[task.chunk];
-        lock.unlock();
-        CudaRuntime::Stream stream = nullptr;
-        CudaRuntime::Event ev = nullptr;
-        if (e.device >= 0) {
-          auto rit = cuda_res.find(e.device);
-          if (rit == cuda_res.end()) {
-            current_device = -1;  // unknown until create_copy_resources' set_device succeeds
-            rit = cuda_res.emplace(e.device, create_copy_resources(*cuda_, e.device)).first;
-            current_device = e.device;
-          }
-          stream = rit->second.first;
-          ev = rit->second.second;
-        }
-        maybe_delay(true);
-        do_copy(e, c, cache_.data() + *off, &crc, &crc_valid, stream, ev, current_device);
-      } catch (const std::exception& ex) {
-        error = std::string("copy of '") + job->entries[task.entry].name + "' failed: " + ex.what();
-      }
-    }
-    const double t1 = now_s();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Entry& e = job->entries[task.entry];
-      Chunk& c = e.chunks[task.chunk];
-      job->stats.copy_busy_s += t1 - t0;
-      resolve_copy_locked(*job, c);
-      if (!off) {
-        c.state = ChunkState::kSkipped;  // cancelled: the job failed or the engine stopped
-        --job->outstanding;
-      } else {
-        c.cache_offset = *off;
-        c.crc = crc;
-        c.crc_valid = crc_valid && error.empty();
-        c.state = ChunkState::kLanded;
-        if (!error.empty()) fail_locked(*job, error);
-        if (job->failed.load() || e.placement == Placement::kSkip) {
-          if (c.state == ChunkState::kLanded) finish_chunk_locked(*job, e, c, ChunkState::kSkipped);
-        } else {
-          job->stats.bytes_copied += c.bytes;
-          if (e.placement == Placement::kFile) {
-            c.state = ChunkState::kFlushing;
-            enqueue_flush_locked(FlushTask{FlushKind::kChunk, job->id, task.entry, task.chunk});
-          }
-        }
-      }
-      maybe_finalize_locked(*job);
-      state_cv_.notify_all();
-    }
+    run_copy(task, job, bytes, ticket, cuda_res, current_device);
   }
   for (auto& kv : cuda_res) {
     cuda_->destroy_event(kv.second.second);
     cuda_->destroy_stream(kv.second.first);
+  }
+}
+
+void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket,
+                    CudaResources& cuda_res, int& current_device) {
+  std::atomic<bool>& failed = job->failed;
+  auto off = ring_.allocate_with_ticket(ticket, bytes, align_,
+                                        [&] { return failed.load(); });
+  std::string error;
+  std::uint32_t crc = 0;
+  bool crc_valid = false;
+  const double t0 = now_s();
+  if (off) {
+    try {
+      std::unique_lock<std::mutex> lock(mu_);
+      const Entry e = [&] {  // a copy without the chunk vector would do; entries are small
+        const Entry& src = job->entries[task.entry];
+        Entry copy;
+        copy.name = src.name;
+        copy.src = src.src;
+        copy.device = src.device;
+        copy.ready_event = src.ready_event;
+        return copy;
+      }();
+      const Chunk c = job->entries[task.entry].chunks[task.chunk];
+      lock.unlock();
+      CudaRuntime::Stream stream = nullptr;
+      CudaRuntime::Event ev = nullptr;
+      if (e.device >= 0) {
+        auto rit = cuda_res.find(e.device);
+        if (rit == cuda_res.end()) {
+          current_device = -1;  // unknown until create_copy_resources' set_device succeeds
+          rit = cuda_res.emplace(e.device, create_copy_resources(*cuda_, e.device)).first;
+          current_device = e.device;
+        }
+        stream = rit->second.first;
+        ev = rit->second.second;
+      }
+      maybe_delay(true);
+      do_copy(e, c, cache_.data() + *off, &crc, &crc_valid, stream, ev, current_device);
+    } catch (const std::exception& ex) {
+      error = std::string("copy of '") + job->entries[task.entry].name + "' failed: " + ex.what();
+    }
+  }
+  const double t1 = now_s();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = job->entries[task.entry];
+    Chunk& c = e.chunks[task.chunk];
+    job->stats.copy_busy_s += t1 - t0;
+    resolve_copy_locked(*job, c);
+    if (!off) {
+      c.state = ChunkState::kSkipped;  // cancelled: the job failed or the engine stopped
+      --job->outstanding;
+    } else {
+      c.cache_offset = *off;
+      c.crc = crc;
+      c.crc_valid = crc_valid && error.empty();
+      c.state = ChunkState::kLanded;
+      if (!error.empty()) fail_locked(*job, error);
+      if (job->failed.load() || e.placement == Placement::kSkip) {
+        if (c.state == ChunkState::kLanded) finish_chunk_locked(*job, e, c, ChunkState::kSkipped);
+      } else {
+        job->stats.bytes_copied += c.bytes;
+        if (e.placement == Placement::kFile) {
+          c.state = ChunkState::kFlushing;
+          enqueue_flush_locked(FlushTask{FlushKind::kChunk, job->id, task.entry, task.chunk});
+        }
+      }
+    }
+    maybe_finalize_locked(*job);
+    state_cv_.notify_all();
   }
 }
 
@@ -932,6 +949,44 @@ bool Engine::wait_job(std::uint64_t job_id, double timeout_s, bool until_done) {
   return true;
 }
 
+bool Engine::help_until_captured(std::uint64_t job_id, double timeout_s) {
+  check_owner();
+  using clock = std::chrono::steady_clock;
+  const bool forever = timeout_s < 0;
+  const auto deadline =
+      forever ? clock::time_point::max()
+              : clock::now() + std::chrono::duration_cast<clock::duration>(
+                                   std::chrono::duration<double>(timeout_s));
+  CudaResources no_cuda;  // this thread takes host copies only
+  int no_device = -1;
+  for (;;) {
+    CopyTask task{};
+    Job* job = nullptr;
+    std::size_t bytes = 0;
+    std::uint64_t ticket = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      Job& waited = job_locked(job_id);
+      if (waited.captured || (waited.failed.load() && waited.uncaptured == 0)) {
+        check_failed_locked(waited);
+        return true;
+      }
+      if (stop_ || paused_ || !pop_copy_locked(task, job, bytes, ticket, /*host_only=*/true)) {
+        // Nothing this thread can take (copies in flight elsewhere, CUDA copies, paused):
+        // wait for a landing, looking again at the queue now and then.
+        const auto now = clock::now();
+        if (!forever && now >= deadline) return false;
+        const auto slice = std::chrono::milliseconds(20);
+        state_cv_.wait_for(lock, forever ? clock::duration(slice)
+                                         : std::min<clock::duration>(slice, deadline - now));
+        continue;
+      }
+      ++helped_copies_;
+    }
+    run_copy(task, job, bytes, ticket, no_cuda, no_device);
+  }
+}
+
 bool Engine::wait_captured(std::uint64_t job_id, double timeout_s) {
   return wait_job(job_id, timeout_s, false);
 }
@@ -1004,7 +1059,7 @@ EngineCounters Engine::counters() {
   for (auto& kv : jobs_)
     for (auto& f : kv.second->files) files += f->is_open() ? 1 : 0;
   return EngineCounters{cache_.size(), ring_.used_bytes(), ring_.live_blocks(), jobs_.size(),
-                        files, copy_queue_.size(), flush_queue_.size()};
+                        files, copy_queue_.size(), flush_queue_.size(), helped_copies_};
 }
 
 void Engine::enable_cuda(const std::string& runtime_path) {

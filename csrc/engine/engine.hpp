@@ -104,6 +104,7 @@ struct EngineCounters {
   std::size_t open_files;
   std::size_t pending_copies;
   std::size_t pending_flushes;
+  std::uint64_t helped_copies;  // chunks copied by threads waiting in a barrier (since start)
 };
 
 class Engine {
@@ -162,6 +163,11 @@ class Engine {
   // wait_captured returns (or throws) only once no copy of the job is in flight, even when the
   // job failed: from then on its sources and ready events may be freed.
   bool wait_captured(std::uint64_t job, double timeout_s);
+  // Same as wait_captured, but the calling thread meanwhile runs queued host copies itself (in
+  // queue order, like one more copy thread at the caller's priority): a barrier that blocks
+  // training anyway makes progress even when the copy threads, under SCHED_IDLE, get no CPU
+  // because other processes keep every core busy. CUDA copies are left to the copy threads.
+  bool help_until_captured(std::uint64_t job, double timeout_s);
   bool wait_done(std::uint64_t job, double timeout_s);
   bool is_captured(std::uint64_t job);
   bool is_done(std::uint64_t job);
@@ -262,7 +268,16 @@ class Engine {
   void check_failed_locked(const Job& job) const;
   bool wait_job(std::uint64_t job, double timeout_s, bool until_done);
 
+  using CudaResources = std::map<int, std::pair<CudaRuntime::Stream, CudaRuntime::Event>>;
   void copy_loop(int index);
+  std::uint64_t helped_copies_ = 0;  // under mu_
+  // Pops the first copy task whose chunk is still pending (under mu_), marks it kCopying and
+  // takes its cache ticket. With host_only, stops at a CUDA task (returns false).
+  bool pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes, std::uint64_t& ticket,
+                       bool host_only);
+  // Runs one popped task: reserves cache space (in ticket order), copies, lands the chunk.
+  void run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket,
+                CudaResources& cuda_res, int& current_device);
   void flush_loop(int index);
   // Copies one chunk into the cache; for host sources with checksums on, also returns its CRC
   // (computed block by block while the bytes are still in the CPU cache) and sets *crc_valid.
