@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -480,6 +481,10 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 epoch.error = epoch.error or (
                     f"checkpoint file {s.path} (rank {self.rank}) failed: {e}"
                 )
+                if writer is not None and not writer.closed:
+                    writer.engine.abort(job.engine_job, str(e))
+                with contextlib.suppress(OSError):
+                    os.unlink(s.path + TMP_SUFFIX)  # never leave a torn file behind
             finally:
                 if writer is not None and not writer.closed:
                     writer.engine.forget(job.engine_job)
@@ -499,8 +504,18 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 epoch.error = (f"checkpoint tag {epoch.info.tag!r}: another rank failed to "
                                "save its files; 'latest' was not updated")
                 ok = False
+        err: BaseException | None = None
         if ok and self.rank == 0:
-            write_latest(epoch.info.save_dir, epoch.info.tag)
+            try:
+                write_latest(epoch.info.save_dir, epoch.info.tag)
+            except OSError as e:
+                err = e
+        if self._group is not None:
+            # Second round: a tag is finished on a rank only once rank 0 has written 'latest',
+            # so a rank's load_checkpoint() after draining reads the new 'latest'.
+            dist.barrier(group=self._group)
+        if err is not None:
+            raise err
 
     def _shutdown(self) -> None:
         with self._lock:
