@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoint cost: dcp_datastates ("datastates_ckpt") vs DeepSpeed's TorchCheckpointEngine.
+"""DeepSpeed checkpoint cost: dcp_datastates ("datastates_ckpt") vs TorchCheckpointEngine.
 
 One process (1 rank, CPU, gloo), ZeRO-1, Adam. Two DeepSpeed engines with the same model and
 config train side by side; the only difference is the checkpoint engine (ours through the config
@@ -39,8 +39,9 @@ import torch.nn as nn  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-import dcp_datastates.integrations.deepspeed as dsds  # noqa: E402
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine  # noqa: E402
+
+import dcp_datastates.integrations.deepspeed as dsds  # noqa: E402
 
 
 def build(hidden: int, layers: int, cache: str) -> Any:

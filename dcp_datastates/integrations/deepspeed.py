@@ -357,6 +357,7 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
                     for cap, off in spilled:
+                        assert cap.spill is not None
                         cap.spill.copy_to(fd, off)
                 finally:
                     os.close(fd)

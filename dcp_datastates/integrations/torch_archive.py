@@ -118,7 +118,9 @@ class _Splitter:
         elif type(obj) is tuple:
             out = tuple(self.split(v, _join(path, i)) for i, v in enumerate(obj))
         elif isinstance(obj, tuple) and hasattr(type(obj), "_make"):  # namedtuple
-            out = type(obj)._make(self.split(v, _join(path, i)) for i, v in enumerate(obj))
+            out = type(obj)._make(  # type: ignore[attr-defined]
+                self.split(v, _join(path, i)) for i, v in enumerate(obj)
+            )
         else:
             return obj
         self.memo[key] = out
@@ -166,7 +168,7 @@ def plan_archive(obj: Any) -> ArchivePlan:
     skeleton = sp.split(obj, "")
     protos = {proto.untyped_storage()._cdata: i for i, (_, _, proto) in enumerate(sp.tensors)}
     buf = _SparseFile()
-    real = torch._C.PyTorchFileWriter(buf, get_crc32_options(), 64)
+    real = torch._C.PyTorchFileWriter(buf, get_crc32_options(), 64)  # type: ignore[call-overload]
     rec = _RecordingWriter(real, protos)
     _save(skeleton, rec, pickle, _PROTOCOL, False)
     real.write_end_of_file()
@@ -217,7 +219,7 @@ def write_archive(plan: ArchivePlan, path: str) -> None:
             if t.nbytes:
                 f.seek(t.payload_offset)
                 src = t.tensor.detach().resolve_conj().resolve_neg().contiguous().cpu()
-                f.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()))
+                f.write(src.reshape(-1).view(torch.uint8).numpy().data)
         f.truncate(plan.total_bytes)
 
 

@@ -233,25 +233,11 @@ def _diff(a: object, b: object, path: str) -> list[str]:
         assert isinstance(b, (list, tuple))
         if len(a) != len(b):
             return [f"{path}: length"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}.{i}")]
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in _diff(x, y, f"{path}.{i}")]
     if type(a).__module__.startswith("deepspeed") or type(a).__name__ == "Namespace":
         return []  # config objects without __eq__: same type is what matters
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
-
-
-def _equal_obj(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and type(a) is type(b) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))
-    if isinstance(a, dict):
-        return (type(a) is type(b) and list(a.keys()) == list(b.keys())  # type: ignore[attr-defined]
-                and all(_equal_obj(a[k], b[k]) for k in a))  # type: ignore[index]
-    if isinstance(a, (list, tuple)):
-        return (type(a) is type(b) and len(a) == len(b)  # type: ignore[arg-type]
-                and all(_equal_obj(x, y) for x, y in zip(a, b)))  # type: ignore[call-overload]
-    if type(a).__module__.startswith("deepspeed") or type(a).__name__ == "Namespace":
-        return type(a) is type(b)  # config objects without __eq__
-    return bool(a == b)
 
 
 def main() -> None:

@@ -19,8 +19,9 @@ import torch.nn as nn
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build on CPU
 
-import dcp_datastates.integrations.deepspeed as dsds  # noqa: E402  (the one line)
 from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import dcp_datastates.integrations.deepspeed as dsds  # noqa: E402  (the one line)
 
 
 class TinyModel(nn.Module):
@@ -28,7 +29,9 @@ class TinyModel(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         out = self.net(x).squeeze(-1)
         loss = nn.functional.mse_loss(out, labels) if labels is not None else out.sum()
         return {"loss": loss, "logits": out}
@@ -58,7 +61,8 @@ def trainer(out: str) -> Trainer:
     }
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=8, max_steps=6, save_steps=3,
-        save_strategy="steps", learning_rate=1e-2, logging_steps=100, report_to=[], deepspeed=ds_config,
+        save_strategy="steps", learning_rate=1e-2, logging_steps=100, report_to=[],
+        deepspeed=ds_config,
         use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, save_only_model=False,
         dataloader_num_workers=0,
     )
