@@ -8,7 +8,7 @@ tool (``python -m dcp_datastates verify``) and ``verify_checkpoint`` read it (do
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 MANIFEST_VERSION = 1
@@ -39,7 +39,33 @@ class RankManifest:
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        """The manifest as compact JSON (built field by field: ``dataclasses.asdict`` recurses
+        with deep copies and cost a fifth of a small-tensor save)."""
+        items = [
+            {
+                "fqn": it.fqn,
+                "offset": it.offset,
+                "file": it.file,
+                "archive_offset": it.archive_offset,
+                "archive_length": it.archive_length,
+                "payload_offset": it.payload_offset,
+                "payload_bytes": it.payload_bytes,
+                "dtype": it.dtype,
+                "shape": it.shape,
+                "chunks": it.chunks,
+            }
+            for it in self.items
+        ]
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "checksums": self.checksums,
+                "save_id": self.save_id,
+                "items": items,
+                "version": self.version,
+            },
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, text: str) -> RankManifest:
