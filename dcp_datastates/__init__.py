@@ -31,6 +31,7 @@ from .errors import (
 )
 from .load import load
 from .planner import DataStatesSavePlanner
+from .reader import DataStatesReader
 from .verify import VerifyReport, verify_checkpoint
 from .writer import DataStatesWriter, ProtectHandle
 
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointSaveError",
     "DataStatesError",
+    "DataStatesReader",
     "DataStatesSavePlanner",
     "DataStatesWriter",
     "IntegrityError",

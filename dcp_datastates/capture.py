@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 _UNSUPPORTED_LAYOUT_HINT = "convert it to a dense strided tensor before saving"
 
 
-@dataclass
+@dataclass(slots=True)
 class CapturedTensor:
     """One tensor (or DTensor local shard) of a save job."""
 
@@ -153,6 +153,9 @@ _SEQ = itertools.count(1)
 
 def _validate(name: str, t: torch.Tensor) -> None:
     local = _local(t)
+    if local.is_cpu or local.is_cuda:  # the common case: cheap checks only (once per tensor)
+        if local.layout == torch.strided and not local.is_nested and not local.is_quantized:
+            return
     if local.layout != torch.strided:
         raise TypeError(
             f"cannot save '{name}': {local.layout} tensors are not supported; "
@@ -170,13 +173,10 @@ def _validate(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"cannot save '{name}': device {local.device} is not supported")
 
 
-@dataclass
-class _Pending:
-    """A tensor leaf of the state dict, registered with the engine, not yet captured."""
-
-    cap: CapturedTensor
-    local: torch.Tensor  # the detached tensor as the user holds it
-    at_call: str  # "must" (taken at the call), "no" (copied in the background) or "ref"
+# A tensor leaf of the state dict, not yet registered: (cap, at_call) where at_call is "must"
+# (taken at the call), "no" (copied in the background) or "ref" (incremental: referenced, never
+# copied). A tuple, not an object: one per tensor.
+_Pending = tuple[CapturedTensor, str]
 
 
 class Stager:
@@ -215,10 +215,11 @@ class Stager:
         t0 = time.perf_counter()
         seq = next(_SEQ)
         job = SaveJob(engine_job=self._engine.create_job(f"save-{seq}"), seq=seq, t_stage=t0)
-        pending: list[_Pending] = []
         self._owners_valid = {}
+        pending: list[_Pending] = []
         try:
             staged = self._walk(state_dict, "", job, owners, pending)
+            self._register_batch(job, pending)
             self._capture(job, pending)
             self._engine.start_copies(job.engine_job)
         except BaseException:
@@ -242,7 +243,9 @@ class Stager:
         self, obj: Any, path: str, job: SaveJob, owners: Mapping[int, int], out: list[_Pending]
     ) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._stage_tensor(obj, path or "<root>", job, owners, out)
+            return self._stage_tensor(obj, path or "<root>", owners, out)
+        if type(obj) is dict:  # the common case, without the ABC check below
+            return {k: self._walk(v, _join(path, k), job, owners, out) for k, v in obj.items()}
         if isinstance(obj, Mapping):
             items = [(k, self._walk(v, _join(path, k), job, owners, out)) for k, v in obj.items()]
             if type(obj) is dict:
@@ -267,15 +270,19 @@ class Stager:
         self,
         t: torch.Tensor,
         name: str,
-        job: SaveJob,
         owners: Mapping[int, int],
         out: list[_Pending],
     ) -> torch.Tensor:
+        """Decides how one tensor leaf is captured; it is registered later, with the batch."""
         _validate(name, t)
         local = _local(t).detach()
         is_dtensor = local is not t and DTensor is not None and isinstance(t, DTensor)
         simple = local.is_contiguous() and not local.is_conj() and not local.is_neg()
-        owner = owners.get(local.untyped_storage().data_ptr()) if local.numel() > 0 else None
+        owner = (
+            owners.get(local.untyped_storage().data_ptr())
+            if owners and local.numel() > 0
+            else None
+        )
         mode = self._mode
         if mode == "lazy":
             lazy_ok = simple
@@ -283,7 +290,7 @@ class Stager:
             lazy_ok = False
         else:  # auto, owned
             lazy_ok = simple and owner is not None
-        on_cpu = local.device.type == "cpu"
+        on_cpu = local.is_cpu
         # Incremental saves: a tensor unchanged since the previous save is referenced, never
         # copied nor written (dcp_datastates.incremental decides).
         info = None
@@ -292,16 +299,11 @@ class Stager:
                 name, local, owner is not None, simple, self._owners_valid
             )
         referenced = info is not None and info.ref is not None
-        if not on_cpu:
-            at_call = "no"
-        elif lazy_ok:
-            at_call = "no"
-        else:
-            at_call = "must"
+        at_call = "must" if on_cpu and not (lazy_ok or referenced) else "no"
         if on_cpu:
             # Non-contiguous views (and conj/neg bits) are compacted: a transient copy.
             source = local if simple else local.resolve_conj().resolve_neg().contiguous()
-        elif lazy_ok or referenced:
+        elif lazy_ok:
             source = local
         else:
             source = local.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
@@ -316,15 +318,58 @@ class Stager:
                 shape=t.shape,
                 stride=t.stride(),
             )
-        cap = self._register(job, name, staged, source, lazy=at_call != "must" and lazy_ok)
-        cap.owner = owner if lazy_ok and mode != "lazy" else None
-        if not on_cpu and not lazy_ok:
-            cap.lazy = False  # a private clone: copied in the background, exact already
-        cap.incr = info
+        cap = CapturedTensor(
+            name=name,
+            staged=staged,
+            source=source,
+            entry=-1,
+            nbytes=source.nbytes,
+            dtype=source.dtype,
+            shape=tuple(source.shape),
+            # a CUDA tensor that may not be lazy is a private clone: exact already, not lazy
+            lazy=at_call != "must" and lazy_ok,
+            version=0,  # taken by _make_lazy for the tensors that stay lazy
+            owner=owner if lazy_ok and mode != "lazy" else None,
+            incr=info,
+        )
         if referenced:
             at_call, cap.lazy, cap.owner = "ref", False, None
-        out.append(_Pending(cap, local, at_call))
+        out.append((cap, at_call))
         return staged
+
+    def _register_batch(self, job: SaveJob, pending: list[_Pending]) -> None:
+        """Registers every pending tensor with the engine in one native call."""
+        n = len(pending)
+        names: list[str] = [""] * n
+        srcs: list[int] = [0] * n
+        sizes: list[int] = [0] * n
+        devices: list[int] = [-1] * n
+        events: list[int] = [0] * n
+        for i, (cap, _) in enumerate(pending):
+            source = cap.source
+            names[i] = cap.name
+            if cap.nbytes:
+                srcs[i] = source.data_ptr()
+            sizes[i] = cap.nbytes
+            if source.is_cuda:
+                devices[i], events[i] = self._cuda_source(job, source)
+        first = self._engine.add_entries(job.engine_job, names, srcs, sizes, devices, events,
+                                         [0] * n)
+        tensors = job.tensors
+        by_id = job.by_staged_id
+        for i, (cap, _) in enumerate(pending):
+            cap.entry = first + i
+            tensors.append(cap)
+            by_id[id(cap.staged)] = cap
+
+    def _cuda_source(self, job: SaveJob, source: torch.Tensor) -> tuple[int, int]:
+        """(device ordinal, ready event) of a CUDA source: an event recorded now on its stream."""
+        self._engine.enable_cuda()
+        device = source.device.index if source.device.index is not None else 0
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(source.device))
+        job.keepalive.append(ev)
+        return device, int(ev.cuda_event)
 
     def _capture(self, job: SaveJob, pending: list[_Pending]) -> None:
         """Takes the at-call snapshots, then leaves the rest to the background copies."""
@@ -338,19 +383,27 @@ class Stager:
             return c.nbytes + nchunks * 4096
 
         overflow: list[str] = []
-        # State that must be taken now first (it may wait for space), then what may be lazy.
-        for p in sorted(pending, key=lambda p: p.at_call != "must"):
-            cap = p.cap
-            if p.at_call == "ref":  # incremental: referenced, neither copied nor written
+        for cap, at_call in pending:
+            if at_call == "ref":  # incremental: referenced, neither copied nor written
                 eng.skip(job.engine_job, cap.entry)
                 cap.at_call = True
                 cap.source = _RELEASED  # cap.incr keeps the tensor for a fallback write
-                continue
-            if p.at_call == "no":
-                self._make_lazy(job, cap)
-                continue
+        must = [cap for cap, at_call in pending if at_call == "must"]
+        # State that must be taken now first: one native call copies all that fits right now
+        # (GIL released), then what did not fit may wait for space, or spill.
+        taken_now = eng.capture_now_many(job.engine_job, [cap.entry for cap in must])
+        left: list[CapturedTensor] = []
+        for cap, taken in zip(must, taken_now, strict=True):
+            if taken:
+                reserved += footprint(cap)
+                cap.lazy = False
+                cap.at_call = True
+                cap.source = _RELEASED  # the cache holds it; the caller may change it now
+            else:
+                left.append(cap)
+        for cap in left:
             need = footprint(cap)
-            may_wait = p.at_call == "must" and reserved + need + chunk <= cache
+            may_wait = reserved + need + chunk <= cache
             t0 = time.perf_counter()
             taken = eng.capture_now(job.engine_job, cap.entry, wait=False)
             if not taken and may_wait:
@@ -362,7 +415,7 @@ class Stager:
                 cap.at_call = True
                 cap.source = _RELEASED  # the cache holds it; the caller may change it now
                 continue
-            if p.at_call == "must" and cap.source.device.type == "cpu":
+            if cap.source.device.type == "cpu":
                 # This save alone needs more than the cache for what it must take now: spill.
                 try:
                     cap.spill = spill_tensor(cap.source, self._spill_dirs)
@@ -376,6 +429,10 @@ class Stager:
                     cap.source = _RELEASED
                     continue
             self._make_lazy(job, cap)
+        # Then what may be lazy: the background copies take it.
+        for cap, at_call in pending:
+            if at_call == "no":
+                self._make_lazy(job, cap)
         if overflow and not self._warned_overflow:
             self._warned_overflow = True
             logger.warning(
@@ -414,12 +471,7 @@ class Stager:
         event = 0
         direct = direct and source.device.type == "cpu"
         if source.device.type == "cuda":
-            self._engine.enable_cuda()
-            device = source.device.index if source.device.index is not None else 0
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(source.device))
-            job.keepalive.append(ev)
-            event = int(ev.cuda_event)
+            device, event = self._cuda_source(job, source)
         entry = self._engine.add_entry(
             job.engine_job, name, source.data_ptr() if nbytes else 0, nbytes, device, event, direct
         )

@@ -131,8 +131,30 @@ class Engine:
     ) -> int:
         """Registers a source; ``direct`` (host memory private to the save, valid until the job
         is done) is flushed from where it is instead of being copied into the cache."""
-        with translate_errors(f"cannot register '{name}'"):
+        try:  # no context manager: this runs once per tensor of a save
             return int(self._core.add_entry(job, name, src, nbytes, device, ready_event, direct))
+        except _core.EngineError as e:
+            raise CheckpointSaveError(f"cannot register '{name}': {e}") from None
+
+    def add_entries(
+        self,
+        job: int,
+        names: list[str],
+        srcs: list[int],
+        nbytes: list[int],
+        devices: list[int],
+        ready_events: list[int],
+        direct: list[int],
+    ) -> int:
+        """Registers a batch of sources under one lock (as :meth:`add_entry` each, with
+        ``direct[i]`` 0 or 1); returns the first entry's index, the others follow it. Nothing is
+        registered if any entry is refused (the error names it)."""
+        try:
+            return int(
+                self._core.add_entries(job, names, srcs, nbytes, devices, ready_events, direct)
+            )
+        except _core.EngineError as e:
+            raise CheckpointSaveError(f"cannot register the tensors: {e}") from None
 
     def start_copies(self, job: int) -> None:
         with translate_errors("cannot start copies"):
@@ -148,8 +170,19 @@ class Engine:
         Without ``wait``: False (nothing reserved) if the cache has no room right now. With it:
         waits for space freed by other saves' flushes (the caller must know it will come).
         """
-        with translate_errors("cannot capture"):
+        try:
             return bool(self._core.capture_now(job, entry, wait))
+        except _core.EngineError as e:
+            raise CheckpointSaveError(f"cannot capture: {e}") from None
+
+    def capture_now_many(self, job: int, entries: list[int]) -> bytes:
+        """:meth:`capture_now` without waiting for each of ``entries``, in one native call (GIL
+        released): ``result[i]`` is 1 if entry i was copied into the cache, 0 if there was no
+        room at that moment (nothing reserved for it)."""
+        try:
+            return bytes(self._core.capture_now_many(job, entries))
+        except _core.EngineError as e:
+            raise CheckpointSaveError(f"cannot capture: {e}") from None
 
     def open_file(self, job: int, path: str) -> int:
         with translate_errors("cannot open a data file"):

@@ -126,6 +126,9 @@ class TemplateCache:
         self._max = max_entries
 
     def get(self, dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveTemplate:
+        hit = self._cache.get((dtype, shape))  # fast path, once per item: a dict read is atomic
+        if hit is not None:
+            return hit
         key = (dtype, tuple(int(s) for s in shape))
         with self._lock:
             hit = self._cache.get(key)

@@ -16,6 +16,7 @@
 #include "../engine/engine.hpp"
 #include "../engine/error.hpp"
 #include "../engine/posix_file.hpp"
+#include "../engine/reader.hpp"
 #include "../engine/ring_allocator.hpp"
 
 namespace py = pybind11;
@@ -109,6 +110,43 @@ PYBIND11_MODULE(_core, m) {
           return dcpds::crc32c(crc, reinterpret_cast<const void*>(address), bytes);
         },
         py::arg("address"), py::arg("bytes"), py::arg("crc") = 0);
+  m.def(
+      "read_spans",
+      [](const std::vector<std::string>& paths, const std::vector<std::uint32_t>& files,
+         const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& lengths,
+         const std::vector<std::uintptr_t>& dsts, const std::vector<std::int64_t>& crcs,
+         const std::vector<std::string>& names, const std::vector<std::uint32_t>& name_of,
+         int threads, bool o_direct, std::size_t block_bytes) {
+        const std::size_t n = files.size();
+        if (offsets.size() != n || lengths.size() != n || dsts.size() != n || crcs.size() != n ||
+            name_of.size() != n)
+          throw dcpds::EngineError("read_spans: the span lists differ in length");
+        std::vector<dcpds::ReadSpan> spans(n);
+        for (std::size_t i = 0; i < n; ++i)
+          spans[i] = dcpds::ReadSpan{files[i], offsets[i], lengths[i], dsts[i], crcs[i], name_of[i]};
+        dcpds::ReaderOptions o;
+        o.threads = threads;
+        o.o_direct = o_direct;
+        o.block_bytes = block_bytes;
+        dcpds::ReadStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = dcpds::ParallelReader(o).read(paths, spans, names);
+        }
+        py::dict d;
+        d["bytes"] = st.bytes;
+        d["direct_bytes"] = st.direct_bytes;
+        d["verified_bytes"] = st.verified_bytes;
+        d["pieces"] = st.pieces;
+        d["threads"] = st.threads;
+        return d;
+      },
+      py::arg("paths"), py::arg("files"), py::arg("offsets"), py::arg("lengths"), py::arg("dsts"),
+      py::arg("crcs"), py::arg("names"), py::arg("name_of"), py::arg("threads") = 4,
+      py::arg("o_direct") = true, py::arg("block_bytes") = 8u << 20,
+      "Reads span i = (paths[files[i]], offsets[i], lengths[i]) to address dsts[i] with parallel "
+      "preads (O_DIRECT where possible), verifying CRC-32C crcs[i] (-1: none) in the same pass; "
+      "errors name names[name_of[i]] and the path (csrc/engine/reader.hpp). Releases the GIL.");
   m.def("set_write_fault", &dcpds::set_write_fault, py::arg("path_substring"), py::arg("errno"),
         "Test hook: writes to paths containing the substring fail with errno (\"\" disables).");
 
@@ -188,6 +226,28 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("job"), py::arg("name"), py::arg("src"), py::arg("bytes"),
            py::arg("device") = -1, py::arg("ready_event") = 0, py::arg("direct") = false)
+      .def("add_entries",
+           [](EngineHandle& h, std::uint64_t job, const std::vector<std::string>& names,
+              const std::vector<std::uintptr_t>& srcs, const std::vector<std::size_t>& bytes,
+              const std::vector<int>& devices, const std::vector<std::uintptr_t>& ready_events,
+              const std::vector<std::uint8_t>& direct) {
+             return h.get().add_entries(job, names, srcs, bytes, devices, ready_events, direct);
+           },
+           py::arg("job"), py::arg("names"), py::arg("srcs"), py::arg("bytes"),
+           py::arg("devices"), py::arg("ready_events"), py::arg("direct"),
+           "add_entry for a batch (one lock); returns the first new entry's index.")
+      .def("capture_now_many",
+           [](EngineHandle& h, std::uint64_t job, const std::vector<std::uint32_t>& entries) {
+             Engine& e = h.get();
+             std::vector<std::uint8_t> taken;
+             {
+               py::gil_scoped_release nogil;
+               taken = e.capture_now_many(job, entries);
+             }
+             return py::bytes(reinterpret_cast<const char*>(taken.data()), taken.size());
+           },
+           py::arg("job"), py::arg("entries"),
+           "capture_now(wait=False) for each entry (GIL released); bytes: 1 taken, 0 no room.")
       .def("start_copies", [](EngineHandle& h, std::uint64_t job) { h.get().start_copies(job); })
       .def("reserve",
            [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, bool wait) {

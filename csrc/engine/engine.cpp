@@ -262,16 +262,52 @@ std::uint32_t Engine::add_entry(std::uint64_t job_id, const std::string& name, s
   Job& job = job_locked(job_id);
   check_failed_locked(job);
   DCPDS_CHECK(!job.sealed, "cannot add entry '" + name + "' to a sealed save");
+  check_entry_locked(name, src, bytes, device, direct);
+  return add_entry_locked(job, name, src, bytes, device, ready_event, direct);
+}
+
+std::uint32_t Engine::add_entries(std::uint64_t job_id, const std::vector<std::string>& names,
+                                  const std::vector<std::uintptr_t>& srcs,
+                                  const std::vector<std::size_t>& bytes,
+                                  const std::vector<int>& devices,
+                                  const std::vector<std::uintptr_t>& ready_events,
+                                  const std::vector<std::uint8_t>& direct) {
+  check_owner();
+  const std::size_t n = names.size();
+  DCPDS_CHECK(srcs.size() == n && bytes.size() == n && devices.size() == n &&
+                  ready_events.size() == n && direct.size() == n,
+              "add_entries: the argument lists differ in length");
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  DCPDS_CHECK(!job.sealed, "cannot add entries to a sealed save");
+  for (std::size_t i = 0; i < n; ++i)
+    check_entry_locked(names[i], srcs[i], bytes[i], devices[i], direct[i] != 0);
+  const auto first = static_cast<std::uint32_t>(job.entries.size());
+  job.entries.reserve(job.entries.size() + n);
+  for (std::size_t i = 0; i < n; ++i)
+    add_entry_locked(job, names[i], srcs[i], bytes[i], devices[i], ready_events[i],
+                     direct[i] != 0);
+  return first;
+}
+
+void Engine::check_entry_locked(const std::string& name, std::uintptr_t src, std::size_t bytes,
+                                int device, bool direct) const {
   DCPDS_CHECK(bytes == 0 || src != 0, "entry '" + name + "' has a null source address");
   DCPDS_CHECK(device < 0 || cuda_ != nullptr,
               "entry '" + name + "' is on a CUDA device but CUDA is not enabled on this engine");
+  DCPDS_CHECK(!direct || device < 0, "entry '" + name + "': only host memory can be flushed directly");
+}
+
+std::uint32_t Engine::add_entry_locked(Job& job, const std::string& name, std::uintptr_t src,
+                                       std::size_t bytes, int device, std::uintptr_t ready_event,
+                                       bool direct) {
   Entry e;
   e.name = name;
   e.src = src;
   e.bytes = bytes;
   e.device = device;
   e.ready_event = ready_event;
-  DCPDS_CHECK(!direct || device < 0, "entry '" + name + "': only host memory can be flushed directly");
   e.direct = direct;
   for (std::size_t off = 0; off < bytes; off += chunk_bytes_) {
     Chunk c;
@@ -431,6 +467,14 @@ bool Engine::capture_now(std::uint64_t job_id, std::uint32_t entry, bool wait) {
     std::memcpy(cache_.data() + offsets[i], spans[i].first, spans[i].second);
   land(job_id, entry, true, "", now_s() - t0);
   return true;
+}
+
+std::vector<std::uint8_t> Engine::capture_now_many(std::uint64_t job_id,
+                                                   const std::vector<std::uint32_t>& entries) {
+  std::vector<std::uint8_t> taken(entries.size(), 0);
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    taken[i] = capture_now(job_id, entries[i], /*wait=*/false) ? 1 : 0;
+  return taken;
 }
 
 void Engine::retarget(std::uint64_t job_id, std::uint32_t entry, std::uintptr_t src, bool direct) {

@@ -123,6 +123,15 @@ class Engine {
   std::uint32_t add_entry(std::uint64_t job, const std::string& name, std::uintptr_t src,
                           std::size_t bytes, int device, std::uintptr_t ready_event,
                           bool direct = false);
+  // add_entry for a whole batch under one lock: entry i is (names[i], srcs[i], bytes[i],
+  // devices[i], ready_events[i], direct[i] != 0); all vectors have the same length. Every entry
+  // is checked before any is added (all or nothing). Returns the index of the first new entry;
+  // the batch's indices are consecutive.
+  std::uint32_t add_entries(std::uint64_t job, const std::vector<std::string>& names,
+                            const std::vector<std::uintptr_t>& srcs,
+                            const std::vector<std::size_t>& bytes, const std::vector<int>& devices,
+                            const std::vector<std::uintptr_t>& ready_events,
+                            const std::vector<std::uint8_t>& direct);
   void start_copies(std::uint64_t job);  // queues the copies of every entry added so far
   // Caller-side capture (the save call snapshots a host entry itself, e.g. with a parallel copy):
   // reserve() takes cache space for every chunk of a not yet started, non-direct host entry and
@@ -139,6 +148,11 @@ class Engine {
   // reserve() + a memcpy from the entry's source in the calling thread + land(): snapshots a
   // contiguous host entry at the save call. False (nothing reserved) if !wait and no room now.
   bool capture_now(std::uint64_t job, std::uint32_t entry, bool wait);
+  // capture_now(job, e, wait=false) for each entry in order, in the calling thread: one call for
+  // the many small tensors a save takes at the call. Returns, per entry, 1 if it was copied into
+  // the cache and 0 if there was no room at that moment (nothing reserved for it).
+  std::vector<std::uint8_t> capture_now_many(std::uint64_t job,
+                                             const std::vector<std::uint32_t>& entries);
   // Points a not yet started entry at another host source; `direct` as in add_entry.
   void retarget(std::uint64_t job, std::uint32_t entry, std::uintptr_t src, bool direct);
 
@@ -258,6 +272,11 @@ class Engine {
   };
 
   Job& job_locked(std::uint64_t id);
+  void check_entry_locked(const std::string& name, std::uintptr_t src, std::size_t bytes,
+                          int device, bool direct) const;
+  std::uint32_t add_entry_locked(Job& job, const std::string& name, std::uintptr_t src,
+                                 std::size_t bytes, int device, std::uintptr_t ready_event,
+                                 bool direct);
   void fail_locked(Job& job, const std::string& message);
   void resolve_copy_locked(Job& job, Chunk& chunk);   // a chunk leaves kPending/kCopying
   void finish_chunk_locked(Job& job, Entry& entry, Chunk& chunk, ChunkState to);  // leaves cache

@@ -1,0 +1,122 @@
+"""Per-item cost: many tiny tensors, DataStatesWriter against the stock FileSystemWriter.
+
+Each measurement runs in a fresh process (so VmHWM is that contender's peak), contenders
+interleaved, one JSON object printed (or written with --out):
+
+* ``save``: ``dcp.save`` of N tensors of 4 floats, wall time and VmHWM;
+* ``async``: time ``dcp.async_save`` blocked the caller (median of --saves saves), split into
+  torch's own per-element work (``_stateful_to_state_dict``, timed alone on the same state) and
+  the rest (our ``stage()``, or the stock stager's copy); ``--nested`` puts the tensors under one
+  top-level key, which removes torch's per-element part.
+
+    python -m benchmarks.small_tensors --n 100000 --out small.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def _vmhwm_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _child(
+    kind: str, contender: str, n: int, saves: int, nested: bool, root: str
+) -> dict[str, Any]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    from dcp_datastates import DataStatesWriter
+
+    tensors = {f"t{i}": torch.randn(4) for i in range(n)}
+    sd: dict[str, Any] = {"model": tensors} if nested else tensors
+    base_hwm = _vmhwm_kib()
+    out: dict[str, Any] = {"kind": kind, "contender": contender, "n": n, "nested": nested}
+    w = DataStatesWriter(root, host_cache_size="1GiB") if contender == "datastates" else None
+    try:
+        if kind == "save":
+            t0 = time.perf_counter()
+            writer = w if w is not None else FileSystemWriter(root)
+            dcp.save(sd, storage_writer=writer, checkpoint_id=root)
+            out["save_s"] = time.perf_counter() - t0
+        else:
+            blocked, torch_part = [], []
+            for k in range(saves):
+                t0 = time.perf_counter()
+                _stateful_to_state_dict(sd)
+                torch_part.append(time.perf_counter() - t0)
+                cid = os.path.join(root, f"s{k}")
+                writer = w if w is not None else FileSystemWriter(cid)
+                t0 = time.perf_counter()
+                fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=cid)
+                blocked.append(time.perf_counter() - t0)
+                fut.result()
+            out["blocked_s"] = statistics.median(blocked)
+            out["torch_part_s"] = statistics.median(torch_part)
+            out["ours_or_stager_s"] = out["blocked_s"] - out["torch_part_s"]
+            out["blocked_all_s"] = blocked
+    finally:
+        if w is not None:
+            w.close()
+    out["vmhwm_mib"] = _vmhwm_kib() / 1024
+    out["vmhwm_over_state_mib"] = (_vmhwm_kib() - base_hwm) / 1024
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=100_000, help="tensors in the dcp.save case")
+    ap.add_argument("--n-async", type=int, default=20_000, help="tensors in the async_save case")
+    ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        kind, contender, n, nested, root = a.child
+        print(json.dumps(_child(kind, contender, int(n), a.saves, nested == "1", root)))
+        return 0
+    results: list[dict[str, Any]] = []
+    runs = [("save", c, a.n, False) for c in ("stock", "datastates")]
+    runs += [("async", c, a.n_async, nested) for nested in (False, True)
+             for c in ("stock", "datastates")]
+    for kind, contender, n, nested in runs:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+            cmd = [sys.executable, "-m", "benchmarks.small_tensors", "--saves", str(a.saves),
+                   "--child", kind, contender, str(n), "1" if nested else "0", d]
+            r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            results.append(json.loads(r.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]), file=sys.stderr)
+    s = {r["contender"]: r for r in results if r["kind"] == "save"}
+    summary = {
+        "save_time_ratio": s["datastates"]["save_s"] / s["stock"]["save_s"],
+        "save_vmhwm_ratio": s["datastates"]["vmhwm_mib"] / s["stock"]["vmhwm_mib"],
+    }
+    doc = {"command": " ".join(sys.argv), "results": results, "summary": summary}
+    text = json.dumps(doc, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""Per-item cost of a save with many small tensors: one native registration and one native
+at-call copy per save (not one call per tensor), all-or-nothing batch registration, and
+bit-exact round trips of many tiny tensors through async_save and dcp.save."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, in_thread, zeros_like_state
+
+from dcp_datastates import CheckpointSaveError, DataStatesReader, DataStatesWriter
+from dcp_datastates.config import WriterConfig
+from dcp_datastates.engine import Engine
+from dcp_datastates.manifest import ItemRecord, RankManifest
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+N = 2000
+
+
+def small_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {"m": {f"t{i}": torch.randn(4, generator=g) for i in range(N)}, "step": 5}
+
+
+class _CountingCore:
+    """Wraps the native engine handle and counts the calls by name."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._core, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **kw: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*a, **kw)
+
+        return call
+
+
+def test_stage_makes_one_native_call_per_save_not_per_tensor(tmp_path: Any) -> None:
+    root = str(tmp_path / "ckpt")
+    w = DataStatesWriter(root, host_cache_size="64MiB", prefault=False)
+    try:
+        counting = _CountingCore(w.engine._core)
+        w.engine._core = counting  # type: ignore[assignment]
+        sd = small_state()
+        in_thread(lambda: dcp.async_save(sd, storage_writer=w, checkpoint_id=root).result(),
+                  what="async_save")
+        assert counting.calls.get("add_entry", 0) == 0, counting.calls
+        assert counting.calls.get("add_entries") == 1, counting.calls
+        assert counting.calls.get("capture_now", 0) == 0, counting.calls  # all fit at once
+        assert counting.calls.get("capture_now_many") == 1, counting.calls
+        w.engine._core = counting._core
+    finally:
+        w.close()
+    dest = zeros_like_state(sd)
+    dcp.load(dest, checkpoint_id=root, no_dist=True)
+    assert_state_equal(sd, dest)
+
+
+@pytest.mark.parametrize("cache", ["64MiB", "2MiB"])
+def test_many_small_tensors_round_trip(tmp_path: Any, cache: str) -> None:
+    """2 MiB cannot hold 2000 at-call snapshots at once (4 KiB each in the cache): the ones that
+    do not fit wait for space or spill, after the batch took what fit."""
+    root = str(tmp_path / "ckpt")
+    w = DataStatesWriter(root, host_cache_size=cache, chunk_size="64KiB", prefault=False)
+    try:
+        sd = small_state()
+        for k in range(2):
+            cid = f"{root}-{k}"
+            in_thread(lambda cid=cid: dcp.async_save(sd, storage_writer=w, checkpoint_id=cid)
+                      .result(), what="async_save")
+            # changed after the call: the checkpoint holds the state of the call
+            snapshot = {"m": {n: t.clone() for n, t in sd["m"].items()}, "step": sd["step"]}
+            for t in sd["m"].values():
+                t.add_(1)
+            dest = zeros_like_state(snapshot)
+            dcp.load(dest, storage_reader=DataStatesReader(cid), checkpoint_id=cid, no_dist=True)
+            assert_state_equal(snapshot, dest)
+        in_thread(lambda: dcp.save(sd, storage_writer=w, checkpoint_id=f"{root}-sync"),
+                  what="dcp.save")
+        dest = zeros_like_state(sd)
+        dcp.load(dest, checkpoint_id=f"{root}-sync", no_dist=True)
+        assert_state_equal(sd, dest)
+    finally:
+        w.close()
+
+
+def test_batch_registration_is_all_or_nothing_and_names_the_tensor() -> None:
+    eng = Engine(WriterConfig(cache_bytes=1 << 20, prefault=False))
+    try:
+        a = torch.randn(8)
+        job = eng.create_job("t")
+        with pytest.raises(CheckpointSaveError, match="'broken'"):
+            eng.add_entries(job, ["ok", "broken"], [a.data_ptr(), 0], [32, 32], [-1, -1], [0, 0],
+                            [0, 0])
+        first = eng.add_entries(job, ["x", "y"], [a.data_ptr(), a.data_ptr() + 16], [16, 16],
+                                [-1, -1], [0, 0], [0, 0])
+        assert first == 0  # nothing of the refused batch was added
+        with pytest.raises(CheckpointSaveError, match="differ in length"):
+            eng.add_entries(job, ["z"], [], [4], [-1], [0], [0])
+        assert eng.capture_now_many(job, [0, 1]) == b"\x01\x01"
+        eng.forget(job)
+    finally:
+        eng.close()
+
+
+def test_capture_now_many_takes_what_fits_and_reserves_nothing_for_the_rest() -> None:
+    eng = Engine(WriterConfig(cache_bytes=64 << 10, chunk_bytes=64 << 10, prefault=False))
+    try:
+        big = torch.randn(10_000)  # 40 KB each: two do not fit in 64 KiB at once
+        job = eng.create_job("t")
+        n = big.nbytes
+        eng.add_entries(job, ["a", "b", "c"], [big.data_ptr()] * 3, [n, n, n], [-1] * 3, [0] * 3,
+                        [0] * 3)
+        assert eng.capture_now_many(job, [0, 1, 2]) == b"\x01\x00\x00"
+        assert eng.counters()["live_blocks"] == 1
+        eng.abort(job, "test over")
+        eng.forget(job)
+    finally:
+        eng.close()
+
+
+def test_manifest_json_is_unchanged_by_the_fast_serialiser() -> None:
+    m = RankManifest(
+        rank=1, checksums=True, save_id="s",
+        items=[
+            ItemRecord("a", [0, 4], "__1_0.distcp", 0, 100, 64, 16, "float32", [4], [(64, 16, 7)]),
+            ItemRecord("b", None, "__1_1.distcp", 0, 9, 0, 9, "bytes", [], [(0, 9, 1)]),
+        ],
+    )
+    assert m.to_json() == json.dumps(asdict(m), separators=(",", ":"))
+    assert RankManifest.from_json(m.to_json()) == m
