@@ -252,12 +252,14 @@ def mlp_table(summary: dict[str, Any]) -> str:
         "blocked s / ckpt",
         "fwd after save s",
         "bwd after save s",
+        "step after save s",
         "until durable s",
         "final drain s",
         "VmHWM GB (+ over pre-loop RSS)",
         "bit-exact",
     ]
     base_fb = summary.get("baseline_fwd_bwd_s")
+    base_step = summary.get("baseline_step_s")
     base_hwm = summary.get("baseline_vmhwm_gb")
     rows: list[list[str]] = [
         [
@@ -266,6 +268,7 @@ def mlp_table(summary: dict[str, Any]) -> str:
             "0",
             "",
             "",
+            fmt_stat(base_step) if base_step is not None else "",
             "",
             "",
             fmt_stat(base_hwm, 2),
@@ -289,6 +292,7 @@ def mlp_table(summary: dict[str, Any]) -> str:
                 fmt_stat(c["blocked_s"]),
                 fmt_stat(c["fwd_after_save_s"]),
                 fmt_stat(c["bwd_after_save_s"]),
+                fmt_stat(c.get("step_after_save_s")),
                 fmt_stat(c["durable_s"]),
                 fmt_stat(c["drain_s"]),
                 f"{hwm} (+{_fmt(extra, 2)})" if extra is not None else hwm,
@@ -398,8 +402,10 @@ def markdown(results: dict[str, Any], plots: dict[str, list[str]], out_dir: str)
                 f"{fmt_stat(s['baseline_loop_s'])} s. *cost / ckpt* = (loop time with "
                 "checkpoints, final drain included - loop time of `none` in the same round) / "
                 "checkpoints; *blocked* = get_state_dict + save call + any wait before the "
-                "next step; *fwd/bwd after save* = the iteration right after each save "
-                "(background work slowing compute shows there)."
+                "next step (not a wait inside `optimizer.step()`); *fwd/bwd/step after save* = "
+                "the iteration right after each save (background work slowing compute shows "
+                "there; *step* includes the plain call's automatic step barrier; the `no "
+                "checkpointing` row gives the median step)."
             )
             parts.append("")
             parts.append(mlp_table(s))

@@ -262,15 +262,21 @@ def _timeline(run: dict[str, Any]) -> dict[str, Any]:
     return {"iters": iters, "saves": saves, "telemetry": telemetry}
 
 
-def _after_save_times(run: dict[str, Any], k: int) -> tuple[list[float], list[float]]:
-    """(forward, backward) seconds of the iterations right after a save (it % k == 0, it > 0)."""
+def _after_save_times(
+    run: dict[str, Any], k: int
+) -> tuple[list[float], list[float], list[float]]:
+    """(forward, backward, optimizer step) seconds of the iterations right after a save
+    (it % k == 0, it > 0). The step is timed after any explicit wait before it, so it holds the
+    automatic step barrier of the plain call (a wait inside ``optimizer.step()``)."""
     fwd: list[float] = []
     bwd: list[float] = []
+    step: list[float] = []
     for i, it in enumerate(run.get("iters", [])):
         if i > 0 and i % k == 0:
             fwd.append(it[1] - it[0])
             bwd.append(it[2] - it[1])
-    return fwd, bwd
+            step.append(it[5] - it[4])
+    return fwd, bwd, step
 
 
 def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, Any]:
@@ -280,6 +286,7 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
     r0 = per_rank[0]
     base_runs = {run["rep"]: run for run in r0["contenders"][NONE]["runs"] if "loop_s" in run}
     base_iter_fb = [it[2] - it[0] for run in base_runs.values() for it in run.get("iters", [])]
+    base_step = [it[5] - it[4] for run in base_runs.values() for it in run.get("iters", [])]
     out: dict[str, Any] = {
         "mlp": r0["mlp"],
         "params": r0["params"],
@@ -287,6 +294,7 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
         "ckpt_every": ckpt_every,
         "baseline_loop_s": summarize(run["loop_s"] for run in base_runs.values()),
         "baseline_fwd_bwd_s": summarize(base_iter_fb),
+        "baseline_step_s": summarize(base_step),
         "baseline_vmhwm_gb": summarize(
             run["vmhwm"] / GB for run in base_runs.values() if run.get("vmhwm") is not None
         ),
@@ -309,10 +317,12 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
                 costs.append((run["loop_s"] - base["loop_s"]) / n)
         fwd: list[float] = []
         bwd: list[float] = []
+        steps: list[float] = []
         for run in runs:
-            f, b = _after_save_times(run, ckpt_every)
+            f, b, st = _after_save_times(run, ckpt_every)
             fwd += f
             bwd += b
+            steps += st
         verified = [v["ok"] for run in runs for v in run.get("verify", [])]
         if any(run.get("error") for run in runs):
             verified.append(False)
@@ -326,6 +336,7 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
             **_save_times(saves),
             "fwd_after_save_s": summarize(fwd),
             "bwd_after_save_s": summarize(bwd),
+            "step_after_save_s": summarize(steps),
             "fwd_bwd_after_save_s": summarize(f + b for f, b in zip(fwd, bwd, strict=True)),
             "vmhwm_gb": summarize(
                 run["vmhwm"] / GB for run in runs if run.get("vmhwm") is not None

@@ -167,6 +167,7 @@ def test_mlp_loop_reports_cost_per_checkpoint(quick_run: Path) -> None:
             "durable_s",
             "fwd_after_save_s",
             "bwd_after_save_s",
+            "step_after_save_s",
             "vmhwm_gb",
         ):
             assert c[key] is not None, (name, key)
