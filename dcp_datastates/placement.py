@@ -149,12 +149,7 @@ class Placer:
             if cap is None:
                 cap = self.capture_late(job, item, planner)
                 added_late = True
-            chunk_sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
-            if chunk_sizes != cap.shape:
-                raise CheckpointSaveError(
-                    f"save to {ctx.path}: '{item.index.fqn}' planned with shape {chunk_sizes} but "
-                    f"captured with shape {cap.shape}"
-                )
+            self.check_planned_shape(ctx, item, cap)
             tmpl = self._templates.get(cap.dtype, cap.shape)
             f, start, payload = layout.place_tensor(tmpl)
             if cap.spill is not None and d.local:
@@ -228,6 +223,16 @@ class Placer:
             else:
                 self._incremental.forget()
         return results
+
+    @staticmethod
+    def check_planned_shape(ctx: SaveContext, item: WriteItem, cap: CapturedTensor) -> None:
+        """Raises if the planner's chunk of a tensor item differs from what was captured."""
+        sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
+        if sizes != cap.shape:
+            raise CheckpointSaveError(
+                f"save to {ctx.path}: '{item.index.fqn}' planned with shape {sizes} but "
+                f"captured with shape {cap.shape}"
+            )
 
     def lookup(
         self, job: SaveJob, staged_sd: Any, item: WriteItem

@@ -231,12 +231,7 @@ def write_safetensors(
         if cap is None:
             cap = placer.capture_late(job, item, planner)
             added_late = True
-        sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
-        if sizes != cap.shape:
-            raise CheckpointSaveError(
-                f"save to {ctx.path}: '{item.index.fqn}' planned with shape {sizes} but "
-                f"captured with shape {cap.shape}"
-            )
+        placer.check_planned_shape(ctx, item, cap)
         try:
             dtype_name(cap.dtype, item.index.fqn)
         except ValueError as err:

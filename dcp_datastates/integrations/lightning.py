@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -86,6 +86,20 @@ def _error_of(fut: Future[Any]) -> BaseException | None:
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         return e
     return None
+
+
+def _drain_and_close(owner: Any, then: Callable[[], None] | None = None) -> None:
+    """Waits for ``owner``'s saves, closes its writer (then runs ``then``, even on failure),
+    then raises a failure nobody has seen yet."""
+    try:
+        owner._saves.drain_all()
+    finally:
+        if owner._writer is not None:
+            owner._writer.close()
+            owner._writer = None
+        if then is not None:
+            then()
+    owner._saves.raise_failed()
 
 
 class SaveTracker:
@@ -245,13 +259,7 @@ class DataStatesCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Waits for every save, frees the writer (cache, threads), raises an unreported failure."""
-        try:
-            self._saves.drain_all()
-        finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-        self._saves.raise_failed()
+        _drain_and_close(self)
 
 
 @contextlib.contextmanager
@@ -338,11 +346,4 @@ class DataStatesModelParallelStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         """Waits for every save, frees the writer, then Lightning's teardown; raises a failure."""
-        try:
-            self._saves.drain_all()
-        finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            super().teardown()
-        self._saves.raise_failed()
+        _drain_and_close(self, then=super().teardown)
