@@ -86,6 +86,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from dcp_datastates import barrier
 from dcp_datastates.capture import SaveJob, Stager, raise_if_modified
+from dcp_datastates.commit import fsync_dir
 from dcp_datastates.errors import CheckpointSaveError
 from dcp_datastates.integrations.config import writer_kwargs
 from dcp_datastates.integrations.torch_archive import ArchivePlan, plan_archive
@@ -492,7 +493,7 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 job.finished = True
                 job.release_sources(done=True)
         for d in dirs:
-            _fsync_dir(d)
+            fsync_dir(d)
         if epoch.error:
             logger.error("checkpoint tag %r: %s", epoch.info.tag, epoch.error)
         if not epoch.info.save_latest:
@@ -529,14 +530,6 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             w.close()
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_latest(save_dir: str, tag: str) -> None:
     """Writes DeepSpeed's ``latest`` file atomically (temp file, fsync, rename, fsync dir)."""
     tmp = os.path.join(save_dir, f".latest.{os.getpid()}.tmp")
@@ -545,7 +538,7 @@ def write_latest(save_dir: str, tag: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(save_dir, "latest"))
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
 
 
 _LIVE: weakref.WeakSet[DataStatesCheckpointEngine] = weakref.WeakSet()
