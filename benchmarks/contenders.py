@@ -70,6 +70,7 @@ class SaveRecord:
     t_wait0: float | None = None
     t_wait1: float | None = None
     t_captured: float | None = None  # when the method no longer needs the live tensors, if known
+    barrier_s: float = 0.0  # wait inside the optimizer step (the plain call's automatic barrier)
     t_durable: float | None = None
     error: str | None = None
     peak_rss: int | None = None
@@ -88,7 +89,7 @@ class SaveRecord:
 
     @property
     def blocked_s(self) -> float:
-        return self.call_s + self.wait_s
+        return self.call_s + self.wait_s + self.barrier_s
 
     @property
     def capture_s(self) -> float | None:
@@ -111,6 +112,7 @@ class SaveRecord:
             "t_durable": self.t_durable,
             "call_s": self.call_s,
             "wait_s": self.wait_s,
+            "barrier_s": self.barrier_s,
             "blocked_s": self.blocked_s,
             "capture_s": self.capture_s,
             "durable_s": self.durable_s,
@@ -473,6 +475,11 @@ class _DataStates(Contender):
             cap = t.get("t_captured") if t else None
             if isinstance(cap, float) and math.isfinite(cap) and rec.t_captured is None:
                 rec.t_captured = cap
+            if t and not self.protect_optimizer and self.asynchronous:
+                # The plain call waits inside optimizer.step() (the automatic barrier), which the
+                # loop cannot time from outside: the writer's own blocked time minus its call.
+                blocked, stage = float(t.get("blocked_s", 0.0)), float(t.get("stage_s", 0.0))
+                rec.barrier_s = max(0.0, blocked - stage)
 
     def teardown(self) -> None:
         super().teardown()

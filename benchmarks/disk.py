@@ -82,3 +82,59 @@ def measure_write_bandwidth(directory: str, nbytes: int) -> DiskResult:
     finally:
         if os.path.exists(target):
             os.remove(target)
+
+
+def measure_write_tax(
+    directory: str, nbytes: int, threads: int, seconds: float = 2.0
+) -> dict[str, Any]:
+    """Compute a training loop loses while ``nbytes`` are written in the background.
+
+    Runs a ``threads``-thread float32 matmul loop alone for ``seconds``, then again while
+    ``dd bs=64M oflag=direct`` writes ``nbytes`` into ``directory`` (no CPU copy in the guest).
+    ``lost_s`` = (1 - rate during the write / rate alone) x the write's duration: the compute
+    time a job keeping every core busy gives up to that write. On a virtual machine the host's
+    I/O emulation is charged to the guest's vCPUs as steal time, so even a DMA write taxes
+    training; no method that writes while training runs can cost less than this per
+    checkpoint. ``{"lost_s": nan}`` where ``dd`` or O_DIRECT is unavailable.
+    """
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a = torch.randn(1024, 1024)
+    b = torch.randn(1024, 1024)
+
+    def rate_while(busy: Any) -> tuple[float, float]:
+        n, t0 = 0, time.perf_counter()
+        while busy(t0):
+            a @ b
+            n += 1
+        dt = time.perf_counter() - t0
+        return n / dt, dt
+
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, "dd_tax.bin")
+    count = max(1, -(-nbytes // BLOCK))
+    try:
+        if shutil.which("dd") is None:
+            return {"lost_s": float("nan"), "note": "dd unavailable"}
+        alone, _ = rate_while(lambda t0: time.perf_counter() - t0 < seconds)
+        cmd = ["dd", "if=/dev/zero", f"of={target}", f"bs={BLOCK}", f"count={count}",
+               "oflag=direct", "status=none"]
+        proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        during, dt = rate_while(lambda t0: proc.poll() is None)
+        if proc.returncode != 0:
+            return {"lost_s": float("nan"), "note": "O_DIRECT refused"}
+        after, _ = rate_while(lambda t0: time.perf_counter() - t0 < seconds)
+        base = (alone + after) / 2
+        return {
+            "bytes": count * BLOCK,
+            "write_s": dt,
+            "rate_alone": base,
+            "rate_during": during,
+            "lost_s": max(0.0, (1.0 - during / base) * dt),
+        }
+    finally:
+        torch.set_num_threads(prev)
+        if os.path.exists(target):
+            os.remove(target)

@@ -249,6 +249,7 @@ def mlp_table(summary: dict[str, Any]) -> str:
     header = [
         "contender",
         "cost s / ckpt",
+        "cost without the final drain s / ckpt",
         "blocked s / ckpt",
         "fwd after save s",
         "bwd after save s",
@@ -264,6 +265,7 @@ def mlp_table(summary: dict[str, Any]) -> str:
     rows: list[list[str]] = [
         [
             "no checkpointing",
+            "0",
             "0",
             "0",
             "",
@@ -289,6 +291,7 @@ def mlp_table(summary: dict[str, Any]) -> str:
             [
                 c["label"],
                 f"**{fmt_stat(c['cost_per_ckpt_s'])}**",
+                fmt_stat(c.get("cost_per_ckpt_no_drain_s")),
                 fmt_stat(c["blocked_s"]),
                 fmt_stat(c["fwd_after_save_s"]),
                 fmt_stat(c["bwd_after_save_s"]),
@@ -402,13 +405,24 @@ def markdown(results: dict[str, Any], plots: dict[str, list[str]], out_dir: str)
                 f"{fmt_stat(s['baseline_loop_s'])} s. *cost / ckpt* = (loop time with "
                 "checkpoints, final drain included - loop time of `none` in the same round) / "
                 "checkpoints; *blocked* = get_state_dict + save call + any wait before the "
-                "next step (not a wait inside `optimizer.step()`); *fwd/bwd/step after save* = "
+                "next step, including the plain call's wait inside `optimizer.step()` (the "
+                "writer's own measure of its automatic barrier); *fwd/bwd/step after save* = "
                 "the iteration right after each save (background work slowing compute shows "
                 "there; *step* includes the plain call's automatic step barrier; the `no "
                 "checkpointing` row gives the median step)."
             )
             parts.append("")
             parts.append(mlp_table(s))
+            tax = s.get("write_tax_s")
+            if tax:
+                parts.append("")
+                parts.append(
+                    f"*Write tax*: while `dd oflag=direct` wrote the checkpoint's bytes, a "
+                    f"{s['threads']}-thread matmul loop lost {fmt_stat(tax)} s of compute per "
+                    "checkpoint (benchmarks.disk.measure_write_tax; on a virtual machine the "
+                    "host's I/O work is charged to the vCPUs as steal time). Any method that "
+                    "writes while training runs pays about this per checkpoint."
+                )
             ratios = s.get("ratios") or {}
             if ratios:
                 parts.append("")

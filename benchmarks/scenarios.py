@@ -38,7 +38,7 @@ from benchmarks.contenders import (
     SaveRecord,
     make_contender,
 )
-from benchmarks.disk import measure_write_bandwidth
+from benchmarks.disk import measure_write_bandwidth, measure_write_tax
 from benchmarks.metrics import (
     PeakRSS,
     disk_bytes,
@@ -533,7 +533,12 @@ def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
     active = [NONE, *_declare_contenders(out, scn.contenders, env.device)]
     base = os.path.join(opts.root, scn.name)
     os.makedirs(base, exist_ok=True)
+    out["write_tax"] = []
     for rep in range(scn.repeats):
+        # What writing one checkpoint's bytes in the background costs a job using every core
+        # (benchmarks.disk.measure_write_tax): the floor of every asynchronous contender here.
+        probe_s = 2.0 if cfg.state_bytes() >= 256 * 1024**2 else 0.3  # --quick stays quick
+        out["write_tax"].append(measure_write_tax(base, cfg.state_bytes(), threads, probe_s))
         for name in _rotate(active, rep):
             spec = MLPRunSpec(
                 contender=name,

@@ -303,6 +303,9 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
         ],
         "contenders": {},
         "timeline": {},
+        "write_tax_s": summarize(
+            t["lost_s"] for t in r0.get("write_tax", []) if math.isfinite(t.get("lost_s", math.nan))
+        ),
     }
     for name, entry in r0["contenders"].items():
         if name == NONE:
@@ -310,11 +313,14 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
         runs = [run for run in entry["runs"]]
         saves = [s for run in runs for s in run.get("saves", [])]
         costs = []
+        costs_no_drain = []
         for run in runs:
             base = base_runs.get(run["rep"])
             n = len(run.get("saves", []))
             if base is not None and "loop_s" in run and n:
                 costs.append((run["loop_s"] - base["loop_s"]) / n)
+                if "loop_no_drain_s" in run and "loop_no_drain_s" in base:
+                    costs_no_drain.append((run["loop_no_drain_s"] - base["loop_no_drain_s"]) / n)
         fwd: list[float] = []
         bwd: list[float] = []
         steps: list[float] = []
@@ -331,6 +337,7 @@ def summarize_mlp(per_rank: list[dict[str, Any]], ckpt_every: int) -> dict[str, 
             "bytes": next((run["bytes"] for run in runs if run.get("bytes")), None),
             "checkpoints": max((len(run.get("saves", [])) for run in runs), default=0),
             "cost_per_ckpt_s": summarize(costs),
+            "cost_per_ckpt_no_drain_s": summarize(costs_no_drain),
             "loop_s": summarize(run["loop_s"] for run in runs if "loop_s" in run),
             "drain_s": summarize(run["drain_s"] for run in runs if "drain_s" in run),
             **_save_times(saves),

@@ -163,6 +163,7 @@ def test_mlp_loop_reports_cost_per_checkpoint(quick_run: Path) -> None:
         assert c["checkpoints"] == n_ckpt, name
         for key in (
             "cost_per_ckpt_s",
+            "cost_per_ckpt_no_drain_s",
             "blocked_s",
             "durable_s",
             "fwd_after_save_s",
@@ -172,7 +173,15 @@ def test_mlp_loop_reports_cost_per_checkpoint(quick_run: Path) -> None:
         ):
             assert c[key] is not None, (name, key)
         assert c["verified"] and c["verified_first_by_replay"], name
+    assert s["write_tax_s"] is not None and s["write_tax_s"]["n"] == scn["scenario"]["repeats"]
     if s["contenders"]["ds_plain"]["status"] == "ok":
+        # the plain call's wait inside optimizer.step() is part of its blocked time
+        raw = _strict_json(out / "raw.json")
+        plain_runs = raw["mlp-loop"][0]["contenders"]["ds_plain"]["runs"]
+        assert plain_runs
+        for run in plain_runs:
+            for save in run["saves"]:
+                assert save["barrier_s"] >= 0 and save["blocked_s"] >= save["barrier_s"]
         assert set(s["ratios"]) == {"ds_plain/dcp_fs_t2", "ds_plain/dcp_default_stager"}
         assert all(v is not None for v in s["ratios"].values())
         assert "ds_plain/dcp_fs_t2 = " in (out / "results.md").read_text()

@@ -15,6 +15,7 @@
 #include "../engine/crc32c.hpp"
 #include "../engine/engine.hpp"
 #include "../engine/error.hpp"
+#include "../engine/guarded_copy.hpp"
 #include "../engine/posix_file.hpp"
 #include "../engine/reader.hpp"
 #include "../engine/ring_allocator.hpp"
@@ -104,6 +105,17 @@ PYBIND11_MODULE(_core, m) {
         return dcpds::crc32c(crc, ptr, bytes);
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C of a buffer (extends `crc`). Releases the GIL.");
+  m.def(
+      "copy_path_counts",
+      [] {
+        py::dict d;
+        d["guarded"] = dcpds::copies_by_path(dcpds::CopyPath::kGuarded);
+        d["kernel"] = dcpds::copies_by_path(dcpds::CopyPath::kKernel);
+        d["plain"] = dcpds::copies_by_path(dcpds::CopyPath::kPlain);
+        return d;
+      },
+      "Background copies of lazily captured host tensors made by each means since the process "
+      "started: guarded memcpy, process_vm_readv, plain memcpy (guarded_copy.hpp).");
   m.def("crc32c_address",
         [](std::uintptr_t address, std::size_t bytes, std::uint32_t crc) {
           py::gil_scoped_release nogil;

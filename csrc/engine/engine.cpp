@@ -3,7 +3,6 @@
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,6 +13,7 @@
 
 #include "crc32c.hpp"
 #include "error.hpp"
+#include "guarded_copy.hpp"
 
 namespace dcpds {
 namespace {
@@ -30,35 +30,6 @@ std::size_t clamp_chunk(const EngineOptions& o) {
   // Keep chunks page multiples so that every chunk of a page-aligned payload stays page-aligned.
   if (c >= PosixFile::kDirectAlign) c = c / PosixFile::kDirectAlign * PosixFile::kDirectAlign;
   return c;
-}
-
-// Copies host memory that the caller may have freed meanwhile (a lazily captured tensor whose
-// storage was resized or released after the save call). process_vm_readv on this very process
-// reads through the kernel, which reports an unmapped source as EFAULT instead of delivering
-// SIGSEGV to the copy thread. Where the call is unavailable (seccomp, old kernels) it falls back
-// to memcpy, and a freed source is then only caught by the caller's storage check.
-std::atomic<int> g_vm_readv{1};  // 1: use process_vm_readv; 0: unavailable, use memcpy
-
-void checked_host_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes,
-                       const std::string& name) {
-  std::size_t done = 0;
-  while (done < bytes && g_vm_readv.load(std::memory_order_relaxed) == 1) {
-    iovec local{dst + done, bytes - done};
-    iovec remote{const_cast<std::uint8_t*>(src) + done, bytes - done};
-    const ssize_t n = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
-    if (n > 0) {
-      done += static_cast<std::size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if ((n < 0 && errno == EFAULT) || n == 0) {
-      DCPDS_CHECK(false, "the memory of '" + name +
-                             "' is no longer readable: its storage was freed or resized after "
-                             "the save call, before its copy into the host cache");
-    }
-    g_vm_readv.store(0);  // ENOSYS, EPERM (seccomp): plain copies from now on
-  }
-  if (done < bytes) std::memcpy(dst + done, src + done, bytes - done);
 }
 
 void set_thread_priority(const EngineOptions& o, bool flush) {
@@ -97,6 +68,7 @@ Engine::Engine(const EngineOptions& options)
       ring_(options.cache_bytes) {
   DCPDS_CHECK(options.copy_threads >= 1, "copy_threads must be at least 1");
   DCPDS_CHECK(options.flush_threads >= 1, "flush_threads must be at least 1");
+  install_copy_guard();  // fast, fault-safe copies of lazily captured sources
   try {
     for (int i = 0; i < options.copy_threads; ++i) threads_.emplace_back([this, i] { copy_loop(i); });
     for (int i = 0; i < options.flush_threads; ++i)
@@ -510,21 +482,19 @@ void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uin
   const auto* src = reinterpret_cast<const std::uint8_t*>(e.src) + c.entry_offset;
   *crc_valid = false;
   if (e.device < 0) {
-    if (!options_.checksums) {
-      checked_host_copy(dst, src, c.bytes, e.name);
-      return;
-    }
-    // Copy and checksum block by block: each block is read from memory once, and checksummed
-    // while it is still in the CPU cache, so the flush need not read the chunk again.
-    constexpr std::size_t kBlock = 256u << 10;
+    // Copy (and checksum block by block while each block is in the CPU cache, so the flush need
+    // not read the chunk again). The source may have been freed since the save call: that is an
+    // error of this copy, not a crash (guarded_copy.hpp).
     std::uint32_t sum = 0;
-    for (std::size_t off = 0; off < c.bytes; off += kBlock) {
-      const std::size_t n = std::min(kBlock, c.bytes - off);
-      checked_host_copy(dst + off, src + off, n, e.name);
-      sum = crc32c(sum, dst + off, n);
+    CopyPath path;
+    DCPDS_CHECK(checked_copy(dst, src, c.bytes, options_.checksums ? &sum : nullptr, &path),
+                "the memory of '" + e.name +
+                    "' is no longer readable: its storage was freed or resized after the save "
+                    "call, before its copy into the host cache");
+    if (options_.checksums) {
+      *crc = sum;
+      *crc_valid = true;
     }
-    *crc = sum;
-    *crc_valid = true;
     return;
   }
   if (current_device != e.device) {
