@@ -151,13 +151,15 @@ def data_file_name(rank: int, index: int) -> str:
 class FileLayout:
     """Assigns items of one rank to ``nfiles`` files and computes their offsets.
 
-    Tensor items are padded so that their payload starts at a multiple of ``payload_align``
-    (4096 when O_DIRECT is used). Items go to the least loaded file, in the order they are given
+    Tensor payloads of at least ``direct_min`` bytes (the engine's O_DIRECT threshold) are padded
+    to start at a multiple of ``payload_align`` (4096 when O_DIRECT is used); smaller ones, written
+    through the page cache, only at 64 bytes. Items go to the least loaded file, in the order they are given
     (callers give them in copy order, so each file is written roughly front to back).
     """
 
     nfiles: int
     payload_align: int = 64
+    direct_min: int = 4096  # payloads under this size are written buffered: 64-byte aligned
     sizes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -171,8 +173,9 @@ class FileLayout:
         f = self._pick()
         start = self.sizes[f]
         payload = start + len(template.prefix)
-        # Page alignment (O_DIRECT) only pays for payloads of at least a page.
-        align = self.payload_align if template.payload_bytes >= self.payload_align else 64
+        # Page alignment only pays for payloads the engine writes with O_DIRECT.
+        big = template.payload_bytes >= max(self.direct_min, self.payload_align)
+        align = self.payload_align if big else 64
         pad = (-payload) % align
         start += pad
         payload += pad

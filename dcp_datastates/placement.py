@@ -95,7 +95,8 @@ class Placer:
         d.ensure_exists()
         eng = self._engine
         nfiles = self.config.files_per_rank if d.local else 1
-        layout = FileLayout(nfiles, 4096 if self.config.o_direct else 64)
+        layout = FileLayout(nfiles, _core.DIRECT_ALIGN if self.config.o_direct else 64,
+                            direct_min=_core.DIRECT_MIN_BYTES)
         staged_sd = getattr(planner, "state_dict", None)
         file_ids: dict[int, int] = {}
         sink: dict[int, list[SinkItem]] = collections.defaultdict(list)

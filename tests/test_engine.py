@@ -172,6 +172,19 @@ def test_file_layout_alignment() -> None:
     assert payload % 64 == 0 and payload - start < len(small.prefix) + 64
 
 
+def test_file_layout_pads_only_payloads_the_engine_writes_direct() -> None:
+    from dcp_datastates import _core
+
+    lay = FileLayout(1, payload_align=_core.DIRECT_ALIGN, direct_min=_core.DIRECT_MIN_BYTES)
+    below = build_template(torch.float32, (_core.DIRECT_MIN_BYTES // 4 - 16,))
+    above = build_template(torch.float32, (_core.DIRECT_MIN_BYTES // 4,))
+    lay.sizes[0] = 100  # an unaligned end
+    _, start, payload = lay.place_tensor(below)
+    assert payload % 64 == 0 and start - 100 < 64  # written buffered: no page of padding
+    _, start, payload = lay.place_tensor(above)
+    assert payload % _core.DIRECT_ALIGN == 0
+
+
 def _thread_policies() -> dict[int, int]:
     """Scheduling policy (field 41 of /proc/self/task/<tid>/stat) of each thread of this process."""
     out = {}

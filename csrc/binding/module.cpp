@@ -105,6 +105,8 @@ PYBIND11_MODULE(_core, m) {
         return dcpds::crc32c(crc, ptr, bytes);
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C of a buffer (extends `crc`). Releases the GIL.");
+  m.attr("DIRECT_ALIGN") = dcpds::PosixFile::kDirectAlign;
+  m.attr("DIRECT_MIN_BYTES") = dcpds::PosixFile::kDirectMinBytes;
   m.def(
       "copy_path_counts",
       [] {

@@ -82,7 +82,7 @@ void PosixFile::write_at(std::uint64_t offset, const std::vector<iovec>& iov_in)
 
 void PosixFile::write_payload_at(std::uint64_t offset, const std::uint8_t* data, std::size_t bytes) {
   if (fd_direct_ >= 0 && offset % kDirectAlign == 0 &&
-      reinterpret_cast<std::uintptr_t>(data) % kDirectAlign == 0 && bytes >= kDirectAlign) {
+      reinterpret_cast<std::uintptr_t>(data) % kDirectAlign == 0 && bytes >= kDirectMinBytes) {
     maybe_inject_fault(path_);
     const std::size_t aligned = bytes / kDirectAlign * kDirectAlign;
     std::size_t done = 0;
