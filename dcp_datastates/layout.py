@@ -151,10 +151,11 @@ def data_file_name(rank: int, index: int) -> str:
 class FileLayout:
     """Assigns items of one rank to ``nfiles`` files and computes their offsets.
 
-    Tensor payloads of at least ``direct_min`` bytes (the engine's O_DIRECT threshold) are padded
-    to start at a multiple of ``payload_align`` (4096 when O_DIRECT is used); smaller ones, written
-    through the page cache, only at 64 bytes. Items go to the least loaded file, in the order they are given
-    (callers give them in copy order, so each file is written roughly front to back).
+    Tensor payloads of at least ``direct_min`` bytes (the engine's O_DIRECT threshold) are
+    padded to start at a multiple of ``payload_align`` (4096 when O_DIRECT is used); smaller
+    ones, written through the page cache, only at 64 bytes. Items go to the least loaded file,
+    in the order they are given (callers give them in copy order, so each file is written
+    roughly front to back).
     """
 
     nfiles: int
