@@ -32,6 +32,7 @@ from .errors import (
 from .load import load
 from .planner import DataStatesSavePlanner
 from .reader import DataStatesReader
+from .tiers import PersistError, resume_path
 from .verify import VerifyReport, verify_checkpoint
 from .writer import DataStatesWriter, ProtectHandle
 
@@ -48,10 +49,12 @@ __all__ = [
     "DataStatesSavePlanner",
     "DataStatesWriter",
     "IntegrityError",
+    "PersistError",
     "ProtectHandle",
     "VerifyReport",
     "WriterConfig",
     "load",
     "parse_size",
+    "resume_path",
     "verify_checkpoint",
 ]

@@ -101,6 +101,7 @@ from .jobs import (
 )
 from .layout import TemplateCache
 from .placement import Placer
+from .tiers import Promoter
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,14 @@ class DataStatesWriter(StorageWriter):
             CRC-32C) and owned by no optimizer (frozen weights) is not written again; the new
             ``.metadata`` points at the earlier checkpoint's bytes. Local directories only; see
             docs/configuration.md, "Incremental saves".
+        persist_to: multi-level flush: a second, persistent tier (a local path or an fsspec URL
+            such as ``s3://bucket/run``). Saves go to ``path`` (the fast tier) as usual; each
+            committed checkpoint is then copied in the background to the same relative name under
+            ``persist_to``, ``.metadata`` last, and ``latest`` is updated on both tiers
+            (:mod:`dcp_datastates.tiers`; docs/configuration.md, "Multi-level flush").
+        persist_storage_options: fsspec options of ``persist_to``.
+        persist_timeout: seconds the coordinator waits for the other ranks' files on the
+            persistent tier before it declares that copy failed.
 
     Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
     is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
@@ -228,6 +237,9 @@ class DataStatesWriter(StorageWriter):
         upload_part_size: int | str = "16MiB",
         upload_concurrency: int = 4,
         incremental: IncrementalMode = False,
+        persist_to: str | os.PathLike[str] | None = None,
+        persist_storage_options: dict[str, Any] | None = None,
+        persist_timeout: float = 600.0,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -260,6 +272,18 @@ class DataStatesWriter(StorageWriter):
                 "cannot point at another checkpoint's bytes"
             )
         self._incremental = Tracker(mode, self.config.checksums) if mode != "off" else None
+        self._promoter: Promoter | None = None
+        if persist_to is not None:  # multi-level flush (dcp_datastates.tiers)
+            if mode != "off":
+                raise ValueError(
+                    "persist_to cannot be combined with incremental saves: an incremental "
+                    "checkpoint points at earlier checkpoints' files, which the persistent tier "
+                    "would have to hold under the same names (save fully, or persist separately)"
+                )
+            self._promoter = Promoter(
+                self.path, os.fspath(persist_to), persist_storage_options, persist_timeout,
+                durable=self.config.durable,
+            )
         self._engine = Engine(self.config)
         if pin_memory or (pin_memory is None and torch.cuda.is_available()):
             # Page-lock the cache now rather than on the first CUDA save (cudaHostRegister of a
@@ -366,6 +390,26 @@ class DataStatesWriter(StorageWriter):
         self._check_owner()
         return self._table.wait_idle(timeout)
 
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        """With ``persist_to``: blocks until every checkpoint committed so far on this rank was
+        copied to the persistent tier (or failed). False on timeout. Then raises
+        :class:`~dcp_datastates.tiers.PersistError` for failed copies not reported yet (once).
+        Without ``persist_to`` it returns True at once."""
+        self._check_owner()
+        if self._promoter is None:
+            return True
+        return self._promoter.wait(timeout)
+
+    def persist_stats(self) -> list[dict[str, Any]]:
+        """With ``persist_to``: this rank's recent promotions, oldest first (``source``,
+        ``target``, ``persist_s``, ``bytes``, ``error``); ``[]`` without it."""
+        return [] if self._promoter is None else self._promoter.records()
+
+    def unpersisted(self) -> list[str]:
+        """With ``persist_to``: fast-tier checkpoints not (yet) on the persistent tier: in flight
+        or failed. Pass them as ``exclude=`` when pruning the fast tier."""
+        return [] if self._promoter is None else self._promoter.unpersisted()
+
     def save_stats(self) -> list[dict[str, Any]]:
         """Telemetry of the recent saves on this rank (oldest first), as dicts (see SaveStats)."""
         self._check_owner()
@@ -398,6 +442,8 @@ class DataStatesWriter(StorageWriter):
             self._table.raise_unreported()
         except CheckpointSaveError as e:  # close() never raises for a save: it says so
             logger.error("a save failed and its error was never read: %s", e)
+        if self._promoter is not None:
+            self._promoter.close()  # waits for the copies in flight; logs failures
         with self._lock:
             for h in list(self._protects):
                 h._hook.remove()
@@ -518,6 +564,8 @@ class DataStatesWriter(StorageWriter):
                 )
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
+        if self._promoter is not None:
+            self._promoter.relative(ctx.path)  # refuses a checkpoint outside the fast tier
         # One save's protocol (with its collectives) at a time, in the order of the save
         # calls, identically on every rank: wait for every earlier staged save to end.
         self._table.wait_turn(ctx.job)
@@ -548,6 +596,9 @@ class DataStatesWriter(StorageWriter):
         try:
             results = self._placer.write(ctx, job, plan, planner)
             self._table.finish_job(job, ctx.rank)
+            if self._promoter is not None and not ctx.coordinator:
+                # This rank's files are durable; the coordinator's promotion commits the copy.
+                self._submit_promotion(ctx, 0)
         except BaseException as e:
             if isinstance(job.error, CheckpointSaveError):
                 # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
@@ -577,6 +628,8 @@ class DataStatesWriter(StorageWriter):
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
             ctx.directory().commit(metadata, self.config.durable)
             self._table.mark_committed(ctx.path, time.perf_counter())
+            if self._promoter is not None:
+                self._submit_promotion(ctx, len(results))
         finally:
             ctx.finished = True
             self._release_claim(ctx)
@@ -620,6 +673,15 @@ class DataStatesWriter(StorageWriter):
                 ),
             )
         ctx.finished = True
+
+    def _submit_promotion(self, ctx: SaveContext, world_size: int) -> None:
+        """Queues the copy of this rank's part to the persistent tier; never fails the save (the
+        fast checkpoint is committed or durable already): a refusal is logged."""
+        assert self._promoter is not None
+        try:
+            self._promoter.submit(ctx.path, ctx.rank, world_size, coordinator=ctx.coordinator)
+        except (RuntimeError, ValueError) as e:
+            logger.error("%s is not copied to the persistent tier: %s", ctx.path, e)
 
     def _claim_and_prepare(self, ctx: SaveContext) -> None:
         claim_path(ctx, self.config.durable)

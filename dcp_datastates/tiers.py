@@ -1,0 +1,467 @@
+"""Multi-level flush: checkpoints committed on a fast tier, then copied to a persistent tier.
+
+A writer created with ``persist_to=...`` saves exactly as usual into its ``path`` (the *fast
+tier*: local NVMe, ``/dev/shm``); the save's future completes when the fast copy is committed.
+Then a :class:`Promoter` copies that checkpoint, in the background and in save order, to the same
+relative name under ``persist_to`` (the *persistent tier*: a parallel file system path, or any
+fsspec URL such as ``s3://bucket/run``), with its own commit::
+
+    fast:   /dev/shm/run/step-100/{__0_0.distcp, ..., __datastates_manifest_0.json, .metadata}
+    slow:   s3://bucket/run/step-100/...         (same names, .metadata last)
+
+Protocol, per checkpoint (every rank promotes the files it wrote, so a fast tier local to each
+node works):
+
+1. every rank: take a *shared* lock on the fast directory (:func:`dcp_datastates.refs.lock_shared`),
+   so ``prune``/``cleanup`` of the fast tier skip it until the copy is over; write the slow
+   directory's in-progress marker (``.datastates.incomplete``);
+2. every rank: copy its data files, then its manifest (``__datastates_manifest_<rank>.json``),
+   streamed through a fixed buffer (local: each file fsynced; fsspec: ``put_file``);
+3. the coordinator (rank 0): the fast tier's ``latest`` is pointed at the checkpoint; once the
+   manifests of all ranks are on the slow tier (polled, up to ``timeout_s``), ``.metadata`` is
+   copied (local: written to a temporary name, fsynced, renamed, directory fsynced), the slow
+   marker removed, and the slow tier's ``latest`` updated.
+
+Guarantees: a slow-tier directory without ``.metadata`` is *partial* (its marker says so;
+``cleanup_incomplete`` removes it), never mistaken for a checkpoint; ``.metadata`` is written only
+after every rank's files are there; a failure of the slow tier (server down, permissions, disk
+full, a rank that never copied) fails that promotion only: it is logged with both paths, kept in
+:meth:`Promoter.records`, raised once by ``wait_persisted()``, and the fast checkpoint stays
+complete and usable. Not guaranteed: the fast tier's files are not re-verified before the copy
+(``verify_checkpoint`` on either tier checks checksums).
+
+Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
+tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
+
+Threads: one promotion thread per writer (started at the first promotion, not a daemon: the
+interpreter waits for the promotion in flight at exit, bounded by ``timeout_s``); ``submit`` is
+called by the save threads. Fork: a promoter belongs to the process that created it; a forked
+child cannot submit.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .checkpoints import (
+    INCOMPLETE_MARKER,
+    METADATA_FILE,
+    latest_complete,
+    list_checkpoints,
+    parse_step,
+    update_latest,
+)
+from .commit import manifest_name
+from .errors import DataStatesError
+from .refs import lock_shared, unlock
+
+logger = logging.getLogger(__name__)
+
+_BUFFER = 8 * 1024 * 1024  # bytes per read/write of a local copy
+_POLL_S = 0.1
+
+
+class PersistError(DataStatesError):
+    """Copying a committed checkpoint to the persistent tier failed; the fast copy is intact."""
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+@dataclass
+class Promotion:
+    """One rank's promotion of one checkpoint (``Promoter.records`` returns them as dicts)."""
+
+    source: str  # the committed fast-tier directory
+    target: str  # the same checkpoint on the persistent tier
+    rank: int
+    coordinator: bool
+    world_size: int
+    t_submit: float
+    t_done: float = math.nan
+    bytes: int = 0
+    error: str | None = None
+    reported: bool = False
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PRIVATE}
+        d["persist_s"] = self.t_done - self.t_submit
+        return d
+
+
+_PRIVATE = ("done", "reported")
+
+
+def _rank_files(names: list[str], rank: int) -> list[str]:
+    """The data files ``rank`` wrote (either format), sorted; its manifest is not included."""
+    pat = re.compile(
+        rf"^(?:__{rank}_\d+\.distcp|shard-{rank + 1:05d}-model-\d{{5}}-of-\d{{5}}\.safetensors)$"
+    )
+    return sorted(n for n in names if pat.match(n))
+
+
+class _Slow:
+    """The persistent tier: a local directory tree (fsynced) or an fsspec file system."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None, durable: bool) -> None:
+        self.root = root.rstrip("/") if is_url(root) else os.path.abspath(root)
+        self.remote = is_url(root)
+        self.durable = durable
+        self.storage_options = dict(storage_options or {})
+        self._fs: Any = None
+        if self.remote:
+            from fsspec.core import url_to_fs
+
+            self._fs, self._base = url_to_fs(self.root, **self.storage_options)
+
+    def url(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if self.remote else os.path.join(self.root, rel)
+
+    def _p(self, rel: str) -> str:  # the fsspec path of a relative name
+        return f"{self._base.rstrip('/')}/{rel}"
+
+    def makedirs(self, rel: str) -> None:
+        if self.remote:
+            self._fs.makedirs(self._p(rel), exist_ok=True)
+        else:
+            os.makedirs(self.url(rel), exist_ok=True)
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        if self.remote:
+            self._fs.pipe_file(self._p(rel), data)
+            return
+        path = self.url(rel)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if self.durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.sync_dir(os.path.dirname(rel))
+
+    def copy_file(self, src: str, rel: str, atomic: bool = False) -> int:
+        """Copies the local file ``src`` to ``rel``; returns its size. ``atomic``: through a
+        temporary name renamed at the end (used for ``.metadata``, the commit)."""
+        if self.remote:
+            self._fs.put_file(src, self._p(rel))  # s3fs: multipart, parts of bounded size
+            return os.path.getsize(src)
+        dst = self.url(rel)
+        tmp = dst + ".tmp" if atomic else dst
+        n = 0
+        with open(src, "rb", buffering=0) as fi, open(tmp, "wb", buffering=0) as fo:
+            buf = bytearray(_BUFFER)
+            view = memoryview(buf)
+            while True:
+                k = fi.readinto(buf)
+                if not k:
+                    break
+                fo.write(view[:k])
+                n += k
+            if self.durable:
+                os.fsync(fo.fileno())
+        if atomic:
+            os.replace(tmp, dst)
+        return n
+
+    def exists(self, rel: str) -> bool:
+        if self.remote:
+            self._fs.invalidate_cache(self._p(os.path.dirname(rel)))
+            return bool(self._fs.exists(self._p(rel)))
+        return os.path.exists(self.url(rel))
+
+    def remove(self, rel: str) -> None:
+        try:
+            if self.remote:
+                self._fs.rm_file(self._p(rel))
+            else:
+                os.unlink(self.url(rel))
+        except FileNotFoundError:
+            pass
+
+    def sync_dir(self, rel: str) -> None:
+        if self.remote or not self.durable:
+            return
+        fd = os.open(self.url(rel) if rel else self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def point_latest(self, name: str) -> None:
+        if self.remote:
+            from .remote import update_latest as remote_update_latest
+
+            remote_update_latest(self.root, name, storage_options=self.storage_options or None)
+        else:
+            update_latest(self.root, name)
+
+
+class Promoter:
+    """Copies committed checkpoints from the fast tier (a local root) to the persistent tier.
+
+    Args:
+        fast_root: the writer's ``path``; every promoted checkpoint must lie under it.
+        slow_root: a local path or an fsspec URL.
+        storage_options: fsspec options of ``slow_root``.
+        timeout_s: how long the coordinator waits for the other ranks' files on the slow tier.
+        durable: fsync what is written to a local slow tier.
+    """
+
+    def __init__(
+        self,
+        fast_root: str,
+        slow_root: str,
+        storage_options: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+        durable: bool = True,
+    ) -> None:
+        if not fast_root or is_url(fast_root):
+            raise ValueError(
+                "persist_to needs the writer's path to be a local directory (the fast tier), "
+                f"got {fast_root!r}"
+            )
+        if not slow_root:
+            raise ValueError("persist_to must be a path or a URL")
+        if timeout_s <= 0:
+            raise ValueError(f"persist_timeout must be positive, got {timeout_s!r}")
+        self.fast_root = os.path.abspath(fast_root)
+        self.slow = _Slow(os.fspath(slow_root), storage_options, durable)
+        if not self.slow.remote and os.path.realpath(self.slow.root) == os.path.realpath(
+            self.fast_root
+        ):
+            raise ValueError(f"persist_to {slow_root!r} is the writer's own path")
+        self.timeout_s = float(timeout_s)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Promotion | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._records: collections.deque[Promotion] = collections.deque(maxlen=1000)
+        self._open: list[Promotion] = []  # submitted, not finished
+        self._closed = False
+
+    # -- submission (save threads) ---------------------------------------------------------------
+    def relative(self, checkpoint_path: str) -> str:
+        """The checkpoint's name relative to the fast root; ValueError if it is not under it."""
+        rel = os.path.relpath(os.path.abspath(checkpoint_path), self.fast_root)
+        if rel == "." or rel.startswith(".." + os.sep) or rel == ".." or os.path.isabs(rel):
+            raise ValueError(
+                f"checkpoint {checkpoint_path} is not inside the writer's path {self.fast_root}: "
+                "with persist_to, save to checkpoint ids under the writer's path (the fast tier)"
+            )
+        return rel.replace(os.sep, "/")
+
+    def submit(self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool) -> None:
+        """Queues the promotion of this rank's part of a committed checkpoint."""
+        if os.getpid() != self._pid:
+            raise RuntimeError("a forked child cannot promote its parent's checkpoints")
+        rel = self.relative(checkpoint_path)
+        p = Promotion(
+            source=os.path.abspath(checkpoint_path),
+            target=self.slow.url(rel),
+            rank=rank,
+            coordinator=coordinator,
+            world_size=max(1, world_size),
+            t_submit=time.perf_counter(),
+        )
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the writer is closed: nothing more is promoted")
+            self._open.append(p)
+            self._records.append(p)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="dcp_datastates-promoter", daemon=False
+                )
+                self._thread.start()
+        self._queue.put(p)
+
+    # -- waiting, reporting ----------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until every submitted promotion ended; False on timeout. Then raises
+        :class:`PersistError` for failed promotions nobody was told of yet (once each)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._open)
+            if not pending:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            pending[0].done.wait(left)
+        self.raise_unreported()
+        return True
+
+    def raise_unreported(self) -> None:
+        with self._lock:
+            failed = [p for p in self._records if p.error and not p.reported]
+            for p in failed:
+                p.reported = True
+        if failed:
+            msgs = "; ".join(f"{p.error}" for p in failed)
+            raise PersistError(f"{len(failed)} promotion(s) to the persistent tier failed: {msgs}")
+
+    def unpersisted(self) -> list[str]:
+        """Fast-tier checkpoints whose promotion is in flight or failed: pass them as
+        ``exclude=`` to ``prune``/``cleanup_incomplete`` of the fast tier."""
+        with self._lock:
+            return sorted(
+                {p.source for p in self._records if p.error or not p.done.is_set()}
+            )
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every recent promotion of this rank, oldest first (``persist_s``, ``error``...)."""
+        with self._lock:
+            return [p.as_dict() for p in self._records]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for the promotions in flight (failures are logged, not raised), then stops."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if os.getpid() != self._pid:
+            return
+        self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout)
+        with self._lock:
+            failed = [p for p in self._records if p.error and not p.reported]
+            for p in failed:
+                p.reported = True
+        for p in failed:
+            logger.error("promotion of %s to %s failed: %s", p.source, p.target, p.error)
+
+    # -- the promotion thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            p = self._queue.get()
+            if p is None:
+                return
+            try:
+                p.bytes = self._promote(p)
+            except BaseException as e:  # noqa: BLE001 - reported through the record
+                p.error = f"{p.source} -> {p.target} (rank {p.rank}): {type(e).__name__}: {e}"
+                logger.error("promotion failed: %s; the fast checkpoint is kept", p.error)
+            finally:
+                p.t_done = time.perf_counter()
+                with self._lock:
+                    if p in self._open:
+                        self._open.remove(p)
+                p.done.set()
+
+    def _promote(self, p: Promotion) -> int:
+        rel = self.relative(p.source)
+        fd = lock_shared(p.source)  # fast-tier prune/cleanup skip it while it is copied
+        if fd is None:
+            raise PersistError(f"the fast checkpoint {p.source} is gone or being deleted")
+        try:
+            if p.coordinator and "/" not in rel:
+                try:
+                    update_latest(self.fast_root, rel)  # the fast tier's own `latest`
+                except (OSError, ValueError) as e:
+                    logger.warning("could not point %s/latest at %s: %s", self.fast_root, rel, e)
+            names = os.listdir(p.source)
+            data = _rank_files(names, p.rank)
+            manifest = manifest_name(p.rank)
+            if manifest not in names:
+                raise PersistError(f"{p.source} has no manifest of rank {p.rank}")
+            if p.coordinator and METADATA_FILE not in names:
+                raise PersistError(f"{p.source} is not committed (no {METADATA_FILE})")
+            slow = self.slow
+            slow.makedirs(rel)
+            if not slow.exists(f"{rel}/{INCOMPLETE_MARKER}"):
+                slow.put_bytes(f"{rel}/{INCOMPLETE_MARKER}", b"")
+            if p.coordinator:  # a stale commit of an earlier save under this name goes first
+                slow.remove(f"{rel}/{METADATA_FILE}")
+                slow.sync_dir(rel)
+            total = 0
+            for name in [*data, manifest]:  # the manifest last: this rank's files are there
+                total += slow.copy_file(os.path.join(p.source, name), f"{rel}/{name}")
+            slow.sync_dir(rel)
+            if not p.coordinator:
+                return total
+            deadline = time.monotonic() + self.timeout_s
+            missing = [r for r in range(p.world_size) if r != p.rank]
+            while missing:
+                missing = [r for r in missing if not slow.exists(f"{rel}/{manifest_name(r)}")]
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    raise PersistError(
+                        f"rank(s) {missing} did not copy their files to {p.target} within "
+                        f"{self.timeout_s:.0f} s; its .metadata is not written"
+                    )
+                time.sleep(_POLL_S)
+            total += slow.copy_file(
+                os.path.join(p.source, METADATA_FILE), f"{rel}/{METADATA_FILE}", atomic=True
+            )
+            slow.sync_dir(rel)
+            slow.remove(f"{rel}/{INCOMPLETE_MARKER}")
+            slow.sync_dir(rel)
+            if "/" not in rel:
+                slow.point_latest(rel)
+            return total
+        finally:
+            unlock(fd)
+
+
+def resume_path(
+    fast_root: str | os.PathLike[str] | None,
+    slow_root: str | os.PathLike[str] | None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> str | None:
+    """The checkpoint to resume from across two tiers, or None if neither has one.
+
+    The newest complete checkpoint (highest step) of either tier, taken from the fast tier when
+    it has that step complete, else from the slow tier (a local path or a URL, with
+    ``storage_options``). Within a tier, ``latest`` is honoured as :func:`latest_complete` does
+    when it names the newest step. A fast root that is missing counts as empty.
+    """
+    best: tuple[int, int, str] | None = None  # (step, tier rank: 1 fast > 0 slow, path)
+
+    def consider(step: int | None, tier: int, path: str) -> None:
+        nonlocal best
+        if step is None:
+            return
+        key = (step, tier, path)
+        if best is None or key[:2] > best[:2]:
+            best = key
+
+    if fast_root is not None and not is_url(os.fspath(fast_root)):
+        for info in list_checkpoints(fast_root):
+            if info.complete:
+                consider(info.step, 1, str(info.path))
+        pointed = latest_complete(fast_root)
+        if pointed is not None and parse_step(pointed.name) is None:
+            consider(-1, 1, str(pointed))  # a non-step name: used only if nothing else exists
+    if slow_root is not None:
+        s = os.fspath(slow_root)
+        if is_url(s):
+            from .remote import list_checkpoints as remote_list
+
+            for rinfo in remote_list(s, storage_options=storage_options):
+                if rinfo.complete:
+                    consider(rinfo.step, 0, rinfo.url)
+        else:
+            for info in list_checkpoints(s):
+                if info.complete:
+                    consider(info.step, 0, str(info.path))
+    return None if best is None else best[2]
+
+
+__all__ = ["PersistError", "Promoter", "resume_path"]
