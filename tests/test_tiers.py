@@ -1,4 +1,4 @@
-"""Multi-level flush (``persist_to``): fast tier first, then the persistent tier with its own commit.
+"""Multi-level flush (``persist_to``): the fast tier first, then the persistent tier.
 
 The fast tier is a tmpfs directory (``/dev/shm``); the persistent tier a local directory or a
 bucket on moto's S3 server (tests/s3_server.py). Every checkpoint is read back with the stock
