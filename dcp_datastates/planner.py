@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
@@ -24,7 +25,12 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self,
+        state_dict: Any,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if not isinstance(getattr(self, "state_dict", None), dict):
             raise TypeError("DataStatesSavePlanner: the planner lost the staged state dict")

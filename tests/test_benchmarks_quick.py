@@ -233,3 +233,23 @@ def test_unimportable_contender_is_skipped_with_reason(
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     reason = make_contender(contender).skip_reason(torch.device("cpu"))
     assert reason is not None and module in reason
+
+
+def test_scale_out_quick(tmp_path: Path) -> None:
+    """benchmarks.scale_out --quick: 1 and 2 ranks, every contender, JSON and PNG written."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "so"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scale_out.py"), "--quick", "--out", str(out),
+         "--dir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,  # the installed package
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = _strict_json(out / "scale_out.json")
+    assert (out / "scale_out.png").stat().st_size > 0
+    assert res["worlds"] == [1, 2]
+    for w in ("1", "2"):
+        for name in ("ours", "ours_plan_cache", "stock"):
+            c = res["by_world"][w][name]
+            assert len(c["saves"]) == res["config"]["saves"]
+            assert 0 <= c["call_s"] <= c["durable_s"] and c["plan_s"] >= 0
