@@ -60,7 +60,8 @@ _DATA_FILE_RE = re.compile(
     r"^(?:__\d+_\d+\.distcp|shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors)$"  # safetensors format
 )
 _MANIFEST_RE = re.compile(r"^__datastates_manifest_\d+\.json$")
-_OWNED_TMP_RE = re.compile(r"^(?:\.metadata|__datastates_manifest_\d+\.json)\.tmp$")
+# (the pid.thread suffix: temporary names of the persistent tier's copies, dcp_datastates.tiers)
+_OWNED_TMP_RE = re.compile(r"^(?:\.metadata|__datastates_manifest_\d+\.json)(?:\.\d+\.\d+)?\.tmp$")
 
 _LOCK_ATTEMPTS = 16
 

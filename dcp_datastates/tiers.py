@@ -28,7 +28,9 @@ after every rank's files are there; a failure of the slow tier (server down, per
 full, a rank that never copied) fails that promotion only: it is logged with both paths, kept in
 :meth:`Promoter.records`, raised once by ``wait_persisted()``, and the fast checkpoint stays
 complete and usable. Not guaranteed: the fast tier's files are not re-verified before the copy
-(``verify_checkpoint`` on either tier checks checksums).
+(``verify_checkpoint`` on either tier checks checksums); with several ranks, saving again to a
+checkpoint name whose earlier promotion has not ended on every rank (a rank's own promotion
+removes its stale manifest first, but the coordinator may already have seen it).
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
@@ -111,6 +113,10 @@ def _rank_files(names: list[str], rank: int) -> list[str]:
     return sorted(n for n in names if pat.match(n))
 
 
+def _tmp_name(path: str) -> str:
+    return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
 class _Slow:
     """The persistent tier: a local directory tree (fsynced) or an fsspec file system."""
 
@@ -142,7 +148,7 @@ class _Slow:
             self._fs.pipe_file(self._p(rel), data)
             return
         path = self.url(rel)
-        tmp = path + ".tmp"
+        tmp = _tmp_name(path)  # unique: several ranks may write the same marker at once
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -158,7 +164,7 @@ class _Slow:
             self._fs.put_file(src, self._p(rel))  # s3fs: multipart, parts of bounded size
             return os.path.getsize(src)
         dst = self.url(rel)
-        tmp = dst + ".tmp" if atomic else dst
+        tmp = _tmp_name(dst) if atomic else dst
         n = 0
         with open(src, "rb", buffering=0) as fi, open(tmp, "wb", buffering=0) as fo:
             buf = bytearray(_BUFFER)
@@ -387,7 +393,8 @@ class Promoter:
                 slow.put_bytes(f"{rel}/{INCOMPLETE_MARKER}", b"")
             if p.coordinator:  # a stale commit of an earlier save under this name goes first
                 slow.remove(f"{rel}/{METADATA_FILE}")
-                slow.sync_dir(rel)
+            slow.remove(f"{rel}/{manifest}")  # so is this rank's stale "files are here" mark
+            slow.sync_dir(rel)
             total = 0
             for name in [*data, manifest]:  # the manifest last: this rank's files are there
                 total += slow.copy_file(os.path.join(p.source, name), f"{rel}/{name}")

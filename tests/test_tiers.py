@@ -284,3 +284,30 @@ def test_two_ranks_with_node_local_fast_tiers(fast: Path, tmp_path: Path) -> Non
         g = torch.Generator().manual_seed(100 + r)
         assert torch.equal(out[f"r{r}"], torch.randn(200_000, generator=g))
     assert latest_complete(slow) == slow / "step-2"
+
+
+def test_ranks_writing_the_same_marker_at_once_do_not_collide(tmp_path: Path) -> None:
+    # Every rank writes the persistent copy's marker; with one shared temporary name, one rank's
+    # rename found the file gone (a flaky FileNotFoundError in the 2-rank test).
+    import threading
+
+    from dcp_datastates import tiers
+
+    slow = tiers._Slow(str(tmp_path), None, durable=False)
+    slow.makedirs("step-1")
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(200):
+                slow.put_bytes(f"step-1/{INCOMPLETE_MARKER}", b"")
+        except BaseException as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S)
+    assert not errors, errors[:3]
+    assert os.listdir(tmp_path / "step-1") == [INCOMPLETE_MARKER]
