@@ -15,7 +15,7 @@ MANIFEST_VERSION = 1
 MANIFEST_VERSION_REFS = 2  # a manifest with references to other checkpoints (incremental saves)
 
 
-@dataclass
+@dataclass(slots=True)
 class ItemRecord:
     """One saved item (a tensor chunk or a serialized non-tensor value) of one rank."""
 
