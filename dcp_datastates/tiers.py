@@ -35,9 +35,10 @@ removes its stale manifest first, but the coordinator may already have seen it).
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
 
-Threads: one promotion thread per writer (started at the first promotion, not a daemon: the
-interpreter waits for the promotion in flight at exit, bounded by ``timeout_s``); ``submit`` is
-called by the save threads. Fork: a promoter belongs to the process that created it; a forked
+Threads: one promotion thread per writer, started when there is a promotion to run and ended
+after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight at
+exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``;
+``submit`` is called by the save threads. Fork: a promoter belongs to the process that created it; a forked
 child cannot submit.
 """
 
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 _BUFFER = 8 * 1024 * 1024  # bytes per read/write of a local copy
 _POLL_S = 0.1
+_IDLE_S = 2.0  # the promotion thread ends after this long without work (a new one starts later)
 
 
 class PersistError(DataStatesError):
@@ -286,12 +288,12 @@ class Promoter:
                 raise RuntimeError("the writer is closed: nothing more is promoted")
             self._open.append(p)
             self._records.append(p)
-            if self._thread is None:
-                self._thread = threading.Thread(
+            self._queue.put(p)
+            if self._thread is None:  # the thread ends when idle: a dropped writer never
+                self._thread = threading.Thread(  # keeps the interpreter from exiting
                     target=self._run, name="dcp_datastates-promoter", daemon=False
                 )
                 self._thread.start()
-        self._queue.put(p)
 
     # -- waiting, reporting ----------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -341,8 +343,8 @@ class Promoter:
             thread = self._thread
         if os.getpid() != self._pid:
             return
-        self._queue.put(None)
         if thread is not None:
+            self._queue.put(None)
             thread.join(timeout)
         with self._lock:
             failed = [p for p in self._records if p.error and not p.reported]
@@ -354,7 +356,14 @@ class Promoter:
     # -- the promotion thread --------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            p = self._queue.get()
+            try:
+                p = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:  # submit() puts under this lock: nothing can slip in
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             if p is None:
                 return
             try:

@@ -311,3 +311,24 @@ def test_ranks_writing_the_same_marker_at_once_do_not_collide(tmp_path: Path) ->
         t.join(HANG_S)
     assert not errors, errors[:3]
     assert os.listdir(tmp_path / "step-1") == [INCOMPLETE_MARKER]
+
+
+def test_a_dropped_writer_neither_hangs_the_exit_nor_loses_the_copy(
+    fast: Path, tmp_path: Path
+) -> None:
+    slow = tmp_path / "slow"
+    code = textwrap.dedent(
+        f"""
+        import warnings; warnings.simplefilter("ignore")
+        import torch, torch.distributed.checkpoint as dcp
+        from dcp_datastates import DataStatesWriter
+        w = DataStatesWriter({str(fast)!r}, host_cache_size="8MiB", persist_to={str(slow)!r})
+        sd = {{"x": torch.arange(400_000, dtype=torch.float32)}}
+        dcp.async_save(sd, storage_writer=w, checkpoint_id={str(fast / "step-3")!r}).result(60)
+        print("SAVED")  # no close(), no wait: the interpreter exits with the copy in flight
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SAVED" in r.stdout, r.stderr[-3000:]
+    assert (slow / "step-3" / METADATA_FILE).exists()
+    assert latest_complete(slow) == slow / "step-3"
