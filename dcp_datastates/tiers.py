@@ -36,10 +36,10 @@ Resume: :func:`resume_path` takes the newest complete checkpoint of either tier,
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
 
 Threads: one promotion thread per writer, started when there is a promotion to run and ended
-after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight at
-exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``;
-``submit`` is called by the save threads. Fork: a promoter belongs to the process that created it; a forked
-child cannot submit.
+after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight
+at exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``.
+``submit`` is called by the save threads. Fork: a promoter belongs to the process that created
+it; a forked child cannot submit.
 """
 
 from __future__ import annotations
