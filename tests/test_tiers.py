@@ -216,18 +216,26 @@ def test_bad_configurations_are_clear_errors(fast: Path, tmp_path: Path) -> None
         assert not (tmp_path / "elsewhere" / METADATA_FILE).exists()
 
 
-def test_close_waits_for_promotions_and_fork_child_cannot_promote(
-    fast: Path, tmp_path: Path
-) -> None:
-    slow = tmp_path / "slow"
-    code = textwrap.dedent(
+def _saving_child(fast: Path, slow: Path, name: str) -> str:
+    """The start of a child script: a writer persisting to ``slow``, one save committed."""
+    return textwrap.dedent(
         f"""
         import os, warnings; warnings.simplefilter("ignore")
         import torch, torch.distributed.checkpoint as dcp
         from dcp_datastates import DataStatesWriter
         w = DataStatesWriter({str(fast)!r}, host_cache_size="8MiB", persist_to={str(slow)!r})
         sd = {{"x": torch.arange(400_000, dtype=torch.float32)}}
-        dcp.async_save(sd, storage_writer=w, checkpoint_id={str(fast / "step-1")!r}).result(60)
+        dcp.async_save(sd, storage_writer=w, checkpoint_id={str(fast / name)!r}).result(60)
+        """
+    )
+
+
+def test_close_waits_for_promotions_and_fork_child_cannot_promote(
+    fast: Path, tmp_path: Path
+) -> None:
+    slow = tmp_path / "slow"
+    code = _saving_child(fast, slow, "step-1") + textwrap.dedent(
+        f"""
         pid = os.fork()
         if pid == 0:
             try:
@@ -317,17 +325,8 @@ def test_a_dropped_writer_neither_hangs_the_exit_nor_loses_the_copy(
     fast: Path, tmp_path: Path
 ) -> None:
     slow = tmp_path / "slow"
-    code = textwrap.dedent(
-        f"""
-        import warnings; warnings.simplefilter("ignore")
-        import torch, torch.distributed.checkpoint as dcp
-        from dcp_datastates import DataStatesWriter
-        w = DataStatesWriter({str(fast)!r}, host_cache_size="8MiB", persist_to={str(slow)!r})
-        sd = {{"x": torch.arange(400_000, dtype=torch.float32)}}
-        dcp.async_save(sd, storage_writer=w, checkpoint_id={str(fast / "step-3")!r}).result(60)
-        print("SAVED")  # no close(), no wait: the interpreter exits with the copy in flight
-        """
-    )
+    # no close(), no wait: the interpreter exits with the copy in flight
+    code = _saving_child(fast, slow, "step-3") + 'print("SAVED")\n'
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "SAVED" in r.stdout, r.stderr[-3000:]
     assert (slow / "step-3" / METADATA_FILE).exists()
