@@ -356,7 +356,6 @@ class JobTable:
                 if job in self._unreported:  # the barrier checks whether result() raised it
                     self._future_errors[id(job)] = cause
         self.drop_job(job)
-        job.discard_payload()
 
     def finish_job(self, job: SaveJob, rank: int) -> None:
         """Marks a job whose data is durable finished: forgets its engine job, records stats."""
