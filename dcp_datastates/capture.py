@@ -129,6 +129,21 @@ class SaveJob:
         if done:
             self.keepalive.clear()
 
+    def discard_payload(self) -> None:
+        """Drops the per-tensor records of a finished job whose DCP protocol is over.
+
+        The job object may outlive its save by long (the save's future refers to it until the
+        caller drops the future, typically at the next ``async_save``): keeping its records would
+        keep one Python object per tensor alive, slow every full garbage collection and make
+        freeing them land inside the next save call.
+        """
+        with self.lock:
+            if not self.finished:
+                return
+            self.tensors = []
+            self.by_staged_id = {}
+            self.keepalive.clear()
+
     def waits_for(self, owners: set[int]) -> bool:
         """Whether a step of an optimizer with one of these ids must wait for this job."""
         return None in self.lazy_owners or not self.lazy_owners.isdisjoint(owners)

@@ -150,10 +150,17 @@ def async_save_uses_process_executor() -> bool:
 
 
 def staged_collected(
-    writer_ref: weakref.ref[DataStatesWriter], job: SaveJob, pid: int
+    writer_ref: weakref.ref[DataStatesWriter], job_ref: weakref.ref[SaveJob], pid: int
 ) -> None:
-    """Finalizer of a StagedStateDict: a job no save thread ever bound is released."""
-    if os.getpid() != pid or job.thread is not None:
+    """Finalizer of a StagedStateDict: a job no save thread ever bound is released.
+
+    It holds the job weakly: a failed save's error refers, through its traceback's frames, to
+    the staged dict, so a strong reference from the finalizer registry would keep the job, its
+    error, the staged dict and the user's tensors alive forever. A job collected first needs no
+    release (the table holds every job in flight).
+    """
+    job = job_ref()
+    if os.getpid() != pid or job is None or job.thread is not None:
         return
     w = writer_ref()
     if w is not None:
@@ -194,7 +201,7 @@ class StagedStateDict(dict):  # type: ignore[type-arg]
         self._writer_ref = weakref.ref(writer)
         self._job = job
         self._stage_thread = threading.get_ident()
-        weakref.finalize(self, staged_collected, self._writer_ref, job, writer._pid)
+        weakref.finalize(self, staged_collected, self._writer_ref, weakref.ref(job), writer._pid)
 
     def items(self):  # type: ignore[no-untyped-def,override]
         ident = threading.get_ident()
@@ -310,9 +317,14 @@ class JobTable:
             return self._thread_jobs.get(ident)
 
     def claim_thread(self, ident: int, job: SaveJob) -> bool:
-        """Binds ``job`` to save thread ``ident``; False if it is bound, finished or released."""
+        """Binds ``job`` to save thread ``ident``; False if it is bound or released.
+
+        A job that already failed (a barrier found a changed tensor before its save thread
+        started) is still bound: that thread must own it, so that it is ordered by its own job
+        (not behind it, see :meth:`wait_turn`) and ends it by raising its error.
+        """
         with self.lock:
-            if job.thread is not None or job.finished or job.protocol_done:
+            if job.thread is not None or job.protocol_done:
                 return False
             job.thread = ident
             self._thread_jobs[ident] = job
@@ -356,6 +368,7 @@ class JobTable:
                 if job in self._unreported:  # the barrier checks whether result() raised it
                     self._future_errors[id(job)] = cause
         self.drop_job(job)
+        job.discard_payload()
 
     def finish_job(self, job: SaveJob, rank: int) -> None:
         """Marks a job whose data is durable finished: forgets its engine job, records stats."""

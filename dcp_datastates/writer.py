@@ -569,6 +569,8 @@ class DataStatesWriter(StorageWriter):
         # One save's protocol (with its collectives) at a time, in the order of the save
         # calls, identically on every rank: wait for every earlier staged save to end.
         self._table.wait_turn(ctx.job)
+        if ctx.job is not None and ctx.job.error is not None:
+            raise ctx.job.error  # failed before its save began (e.g. by a step barrier)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import pytest
@@ -83,6 +84,73 @@ def test_parameter_changed_outside_step_fails_the_save_not_training(
     out = zeros_like_state(ref)
     dcp.load(out, checkpoint_id=path)
     assert_state_equal(ref, out)
+
+
+def test_a_save_failed_before_its_thread_started_ends_instead_of_hanging(
+    tmp_path: Any, writer_factory: Any, monkeypatch: Any
+) -> None:
+    # A race CI hit: the step barrier failed the staged job before DCP's save thread first
+    # iterated the staged dict. That thread then found no job of its own and waited, in
+    # set_up_storage_writer, for every staged save -- its own included -- forever.
+    from dcp_datastates import jobs
+
+    failed = threading.Event()
+    real_items = jobs.StagedStateDict.items
+
+    def late_items(self: Any) -> Any:
+        if threading.get_ident() != self._stage_thread:
+            assert failed.wait(60)  # the save thread starts only after the job failed
+        return real_items(self)
+
+    monkeypatch.setattr(jobs.StagedStateDict, "items", late_items)
+    model, opt = _mlp()
+    _step(model, opt)
+    w: DataStatesWriter = writer_factory(capture="owned")
+    w.engine.pause_copies(True)
+    path = str(tmp_path / "c")
+    fut = dcp.async_save({"model": model.state_dict()}, storage_writer=w, checkpoint_id=path)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    w.engine.pause_copies(False)
+    _step(model, opt)  # the barrier fails the save
+    failed.set()
+    with pytest.raises(BaseException, match=r"0\.weight.*modified in place"):
+        fut.result(timeout=60)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    ref = copy.deepcopy({"model": model.state_dict()})
+    dcp.async_save({"model": model.state_dict()}, storage_writer=w, checkpoint_id=path).result(60)
+    assert w.wait(timeout=60)
+    out = zeros_like_state(ref)
+    dcp.load(out, checkpoint_id=path)
+    assert_state_equal(ref, out)
+
+
+def test_a_failed_save_keeps_nothing_alive(tmp_path: Any, writer_factory: Any) -> None:
+    # A failed save's error refers (through its traceback) to the staged dict; the staged
+    # dict's finalizer used to hold the job strongly, so the cycle never died: every failed
+    # save kept its records, staged dict and error forever.
+    import gc
+
+    from dcp_datastates.capture import CapturedTensor
+
+    model, opt = _mlp()
+    _step(model, opt)
+    w: DataStatesWriter = writer_factory(capture="owned")
+    w.engine.pause_copies(True)
+    state = {"leakprobe": model.state_dict()}
+    fut = dcp.async_save(state, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    w.engine.pause_copies(False)
+    _step(model, opt)
+    with pytest.raises(BaseException, match="modified in place"):
+        fut.result(timeout=60)
+    assert w.wait(timeout=60)
+    del fut, state
+    gc.collect()
+    alive = [o for o in gc.get_objects()
+             if isinstance(o, CapturedTensor) and o.name.startswith("leakprobe")]
+    assert not alive, f"{len(alive)} records of the failed save are still alive"
 
 
 def test_freed_storage_of_a_lazy_tensor_is_an_error_not_a_crash(tmp_path: Any) -> None:
