@@ -264,6 +264,51 @@ class Stager:
             source = tensor.detach().resolve_conj().resolve_neg().contiguous()
         return self._register(job, name, source, source, lazy=False, direct=True)
 
+    def stage_tensors(
+        self, job: SaveJob, names: list[str], tensors: list[torch.Tensor]
+    ) -> list[CapturedTensor]:
+        """:meth:`stage_tensor` for many tensors, host ones registered in one native call
+        (``dcp.save`` of 100,000 tensors); the records are in the order given."""
+        caps: list[CapturedTensor | None] = [None] * len(tensors)
+        batch: list[int] = []
+        sources: list[torch.Tensor] = []
+        for i, (name, t) in enumerate(zip(names, tensors, strict=True)):
+            _validate(name, t)
+            if not _local(t).is_cpu:
+                caps[i] = self.stage_tensor(job, name, t)
+                continue
+            if (
+                type(t) is torch.Tensor
+                and not t.requires_grad
+                and t.is_contiguous()
+                and not t.is_conj()
+                and not t.is_neg()
+            ):
+                source = t  # no alias (see stage_tensor)
+            else:
+                source = t.detach().resolve_conj().resolve_neg().contiguous()
+            batch.append(i)
+            sources.append(source)
+        if batch:
+            n = len(batch)
+            sizes = [src.nbytes for src in sources]
+            first = self._engine.add_entries(
+                job.engine_job,
+                [names[i] for i in batch],
+                [src.data_ptr() if size else 0 for src, size in zip(sources, sizes, strict=True)],
+                sizes, [-1] * n, [0] * n, [1] * n,
+            )
+            for k, (i, src) in enumerate(zip(batch, sources, strict=True)):
+                cap = CapturedTensor(
+                    name=names[i], staged=src, source=src, entry=first + k, nbytes=sizes[k],
+                    dtype=src.dtype, shape=tuple(src.shape), lazy=False, version=src._version,
+                    direct=True,
+                )
+                job.tensors.append(cap)
+                job.by_staged_id[id(src)] = cap
+                caps[i] = cap
+        return [c for c in caps if c is not None]
+
     # -- internals -------------------------------------------------------------------------
     def _walk(
         self, obj: Any, path: str, job: SaveJob, owners: Mapping[int, int], out: list[_Pending]

@@ -191,8 +191,10 @@ class Engine:
     def place(
         self, job: int, entry: int, file: int, payload_offset: int, header: bytes, trailer: bytes
     ) -> None:
-        with translate_errors("cannot place an entry"):
+        try:  # no context manager: this runs once per tensor of a save
             self._core.place(job, entry, file, payload_offset, header, trailer)
+        except _core.EngineError as e:
+            raise CheckpointSaveError(f"cannot place an entry: {e}") from None
 
     def place_external(self, job: int, entry: int) -> None:
         with translate_errors("cannot place an entry"):

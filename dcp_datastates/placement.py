@@ -117,13 +117,20 @@ class Placer:
         # are in the cache already), then the background copies in queue (entry) order; bytes
         # items last. A sequential consumer (the fsspec path) must never wait for a chunk that
         # cannot land because the cache is full of chunks it will only read later.
+        caps: dict[int, CapturedTensor | None] = {}  # id(item) -> its record, looked up once
+
         def order(item: WriteItem) -> tuple[int, int, int]:
             if item.type == WriteItemType.BYTE_IO:
                 return (2, 0, 0)
             cap = self.lookup(job, staged_sd, item)
+            caps[id(item)] = cap
             if cap is None:
                 return (1, 1, 0)
             return (0, 0 if cap.at_call else 1, cap.entry)
+
+        if job.adhoc:  # dcp.save: nothing was staged; register every tensor in one batch
+            with gc_paused():
+                added_late = self.capture_late_many(job, plan.items, planner)
 
         with gc_paused():  # per-item bookkeeping only, no waits (see dcp_datastates.gcpause)
             for item in sorted(plan.items, key=order):
@@ -138,7 +145,7 @@ class Placer:
                     bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
                     results.append(write_result(item, data_file_name(ctx.rank, f), off, len(raw)))
                     continue
-                cap = self.lookup(job, staged_sd, item)
+                cap = caps[id(item)]
                 if cap is not None and cap.incr is not None and cap.incr.ref is not None:
                     assert self._incremental is not None
                     hit = self._incremental.reference(ctx.rank, item, cap.incr)
@@ -264,6 +271,26 @@ class Placer:
         cap.staged = item
         cap.incr = info
         return cap
+
+    def capture_late_many(
+        self, job: SaveJob, items: list[WriteItem], planner: SavePlanner
+    ) -> bool:
+        """:meth:`capture_late` for every tensor item of a ``dcp.save`` (one native call);
+        True if there was any."""
+        tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
+        data: list[torch.Tensor] = []
+        for item in tensor_items:
+            t = planner.resolve_data(item)
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(t)!r}")
+            data.append(t)
+        caps = self._stager.stage_tensors(job, [item.index.fqn for item in tensor_items], data)
+        by_id = job.by_staged_id
+        for item, cap in zip(tensor_items, caps, strict=True):
+            by_id.pop(id(cap.staged), None)
+            by_id[id(item)] = cap
+            cap.staged = item
+        return bool(caps)
 
     def capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:
         """Captures an item the staged state does not know (dcp.save, or custom planners)."""

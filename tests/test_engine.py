@@ -132,6 +132,23 @@ def test_engine_writes_exact_bytes_with_header_and_trailer(tmp_path: Any) -> Non
     eng.close()
 
 
+def test_seal_refuses_a_placed_entry_whose_copy_never_started(tmp_path: Any) -> None:
+    # A placement path that forgot start_copies used to be sealed silently: the entry was
+    # skipped, its bytes never written, and the save looked complete.
+    eng = _core.Engine(cache_bytes=64 * 1024, chunk_bytes=8192, copy_threads=1, flush_threads=1,
+                       prefault=False)
+    payload = np.arange(1000, dtype=np.uint8)
+    job = eng.create_job("unstarted")
+    e = eng.add_entry(job, "weights.0", payload.ctypes.data, payload.nbytes, -1, 0, True)
+    f = eng.open_file(job, str(tmp_path / "out.bin"))
+    eng.place(job, e, f, 0, b"", b"")
+    with pytest.raises(_core.EngineError, match="'weights.0'.*never started"):
+        eng.seal(job)
+    eng.abort(job, "test")
+    eng.forget(job)
+    eng.close()
+
+
 def test_two_engines_in_one_process_are_independent() -> None:
     a = _core.Engine(cache_bytes=1 << 20, prefault=False)
     b = _core.Engine(cache_bytes=1 << 20, prefault=False)

@@ -732,6 +732,13 @@ void Engine::seal(std::uint64_t job_id) {
   Job& job = job_locked(job_id);
   check_failed_locked(job);
   if (job.sealed) return;
+  for (const Entry& e : job.entries) {
+    // Placed in a file but never started: sealing would skip it and leave a hole in the file
+    // that the manifest describes as written. A caller bug; refuse before changing anything.
+    DCPDS_CHECK(e.queued || e.placement != Placement::kFile,
+                "entry '" + e.name + "' was placed in a file but its copy was never started "
+                "(start_copies) before seal");
+  }
   for (std::uint32_t ei = 0; ei < job.entries.size(); ++ei) {
     Entry& e = job.entries[ei];
     if (!e.queued) {
