@@ -668,8 +668,14 @@ void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
   e.placement = Placement::kFile;
   e.file = file;
   e.payload_offset = payload_offset;
-  e.header = header;
-  e.trailer = trailer;
+  auto intern = [&job](const std::string& bytes) {
+    auto it = job.interned.find(bytes);
+    if (it == job.interned.end())
+      it = job.interned.emplace(bytes, std::make_shared<const std::string>(bytes)).first;
+    return it->second;
+  };
+  e.header = intern(header);
+  e.trailer = intern(trailer);
   if (e.chunks.empty()) {
     // A zero-size payload: only the header and trailer are written.
     job.raws.push_back(RawWrite{file, payload_offset - header.size(), header + trailer});
@@ -817,7 +823,8 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
   std::uint8_t* data;
   std::size_t bytes;
   std::uint64_t offset;
-  std::string header, trailer, name;
+  std::shared_ptr<const std::string> header, trailer;
+  std::string name;
   std::uint32_t crc = 0;
   bool have_crc = false;
   {
@@ -844,14 +851,20 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
   try {
     maybe_delay(false);
     if (options_.checksums && !have_crc) crc = crc32c(0, data, bytes);
+    static const std::string kNone;
+    const std::string& head = header ? *header : kNone;
+    const std::string& tail = trailer ? *trailer : kNone;
+    // iovec wants non-const pointers; pwritev only reads them.
+    auto* head_p = const_cast<char*>(head.data());
+    auto* tail_p = const_cast<char*>(tail.data());
     if (file->direct_enabled()) {
-      if (!header.empty()) file->write_at(offset - header.size(), {iovec{header.data(), header.size()}});
+      if (!head.empty()) file->write_at(offset - head.size(), {iovec{head_p, head.size()}});
       file->write_payload_at(offset, data, bytes);
-      if (!trailer.empty()) file->write_at(offset + bytes, {iovec{trailer.data(), trailer.size()}});
+      if (!tail.empty()) file->write_at(offset + bytes, {iovec{tail_p, tail.size()}});
     } else {
-      file->write_at(offset - header.size(), {iovec{header.data(), header.size()},
-                                              iovec{data, bytes},
-                                              iovec{trailer.data(), trailer.size()}});
+      file->write_at(offset - head.size(), {iovec{head_p, head.size()},
+                                            iovec{data, bytes},
+                                            iovec{tail_p, tail.size()}});
     }
   } catch (const std::exception& ex) {
     error = "flush of '" + name + "' failed: " + ex.what();
