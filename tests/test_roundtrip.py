@@ -41,6 +41,7 @@ def rich_state() -> dict[str, Any]:
         "view_a": shared[10:400],
         "view_b": shared[300:900],  # overlaps view_a: both share one storage
         "conj": torch.randn(9, generator=g, dtype=torch.complex64).conj(),
+        "param": torch.nn.Parameter(torch.randn(6, 5, generator=g)),  # requires_grad
         "nan_inf": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]),
         "nested": {
             "list": [torch.arange(6).reshape(2, 3), 5, "text", {"deep": torch.ones(3, 3)}],
