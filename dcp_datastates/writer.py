@@ -87,6 +87,7 @@ from .capture import SaveJob, Stager
 from .commit import METADATA_FILE, CheckpointDir
 from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
+from .dcplog import skip_unheard_debug_events
 from .engine import Engine
 from .errors import CheckpointSaveError
 from .incremental import IncrementalMode, Tracker, parse_mode
@@ -245,6 +246,7 @@ class DataStatesWriter(StorageWriter):
         self.path = os.fspath(path)
         self.overwrite = bool(overwrite)
         self._pid = os.getpid()
+        skip_unheard_debug_events()  # DCP's per-key DEBUG records nobody receives (dcplog.py)
         self.config = WriterConfig(
             cache_bytes=parse_size(host_cache_size, what="host_cache_size"),
             chunk_bytes=parse_size(chunk_size, default_unit=1, what="chunk_size"),

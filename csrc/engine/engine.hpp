@@ -149,9 +149,11 @@ class Engine {
   // reserve() + a memcpy from the entry's source in the calling thread + land(): snapshots a
   // contiguous host entry at the save call. False (nothing reserved) if !wait and no room now.
   bool capture_now(std::uint64_t job, std::uint32_t entry, bool wait);
-  // capture_now(job, e, wait=false) for each entry in order, in the calling thread: one call for
-  // the many small tensors a save takes at the call. Returns, per entry, 1 if it was copied into
-  // the cache and 0 if there was no room at that moment (nothing reserved for it).
+  // capture_now(job, e, wait=false) for each entry in order: one call for the many tensors a
+  // save takes at the call. Reserves every entry that fits, copies them all (split over up to
+  // copy_threads threads, the caller included, when there are at least 32 MiB per thread), then
+  // lands them. Returns, per entry, 1 if it was copied into the cache and 0 if there was no room
+  // at that moment (nothing reserved for it).
   std::vector<std::uint8_t> capture_now_many(std::uint64_t job,
                                              const std::vector<std::uint32_t>& entries);
   // Points a not yet started entry at another host source; `direct` as in add_entry.
