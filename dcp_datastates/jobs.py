@@ -380,6 +380,7 @@ class JobTable:
         self.record_stats(job, rank, st)
         if job.adhoc:
             self.drop_job(job)  # dcp.save: its caller is the only one waiting
+            job.discard_payload()  # its records are not needed for the commit (memory peak)
 
     def fail_job(self, job: SaveJob, err: CheckpointSaveError) -> None:
         """Fails a job (once): aborts its engine job, returns its cache space, queues its error

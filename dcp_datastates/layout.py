@@ -10,6 +10,7 @@ straight from the host cache between the prefix and suffix bytes.
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import threading
@@ -142,8 +143,13 @@ class TemplateCache:
         return t
 
 
+@functools.lru_cache(maxsize=4096)
 def data_file_name(rank: int, index: int) -> str:
-    """Name of a rank's data file (the DCP convention, so tools recognise it)."""
+    """Name of a rank's data file (the DCP convention, so tools recognise it).
+
+    Cached: every item of a file then refers to one string object, which pickle writes once
+    in ``.metadata`` (100,000 items: one name instead of 100,000 copies, in the file and in
+    memory while it is pickled)."""
     return f"__{rank}_{index}.distcp"
 
 
@@ -167,7 +173,8 @@ class FileLayout:
         self.sizes = [0] * self.nfiles
 
     def _pick(self) -> int:
-        return min(range(self.nfiles), key=lambda i: self.sizes[i])
+        sizes = self.sizes
+        return sizes.index(min(sizes))  # the least loaded file (the first of equals)
 
     def place_tensor(self, template: ArchiveTemplate) -> tuple[int, int, int]:
         """Returns (file index, archive offset, payload offset)."""

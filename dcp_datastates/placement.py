@@ -241,10 +241,10 @@ class Placer:
     @staticmethod
     def check_planned_shape(ctx: SaveContext, item: WriteItem, cap: CapturedTensor) -> None:
         """Raises if the planner's chunk of a tensor item differs from what was captured."""
-        sizes = tuple(int(s) for s in item.tensor_data.chunk.sizes)  # type: ignore[union-attr]
-        if sizes != cap.shape:
+        sizes = item.tensor_data.chunk.sizes  # type: ignore[union-attr]
+        if sizes != cap.shape:  # torch.Size compares equal to the tuple of its ints
             raise CheckpointSaveError(
-                f"save to {ctx.path}: '{item.index.fqn}' planned with shape {sizes} but "
+                f"save to {ctx.path}: '{item.index.fqn}' planned with shape {tuple(sizes)} but "
                 f"captured with shape {cap.shape}"
             )
 

@@ -145,6 +145,8 @@ def test_manifest_json_is_unchanged_by_the_fast_serialiser() -> None:
         del it["ref"]
     assert m.to_json() == json.dumps(expected, separators=(",", ":"))
     assert RankManifest.from_json(m.to_json()) == m
+    empty = RankManifest(rank=0, checksums=False, save_id="é\"x", items=[])
+    assert empty.to_json() == json.dumps(asdict(empty), separators=(",", ":"))
     m.items[0].ref = "step-1"  # a reference: kept, and the manifest becomes version 2
     raw = json.loads(m.to_json())
     assert raw["items"][0]["ref"] == "step-1" and "ref" not in raw["items"][1]
