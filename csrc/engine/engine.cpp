@@ -361,7 +361,8 @@ std::vector<std::size_t> Engine::reserve(std::uint64_t job_id, std::uint32_t ent
         std::lock_guard<std::mutex> lock(mu_);  // tickets in the same order as the copy threads'
         ticket = ring_.take_ticket();
       }
-      off = ring_.allocate_with_ticket(ticket, bytes, align_, [&] { return failed.load(); });
+      off = ring_.allocate_with_ticket(ticket, bytes, cache_align(bytes),
+                                        [&] { return failed.load(); });
       if (!off) {
         undo();
         std::lock_guard<std::mutex> lock(mu_);
@@ -369,7 +370,7 @@ std::vector<std::size_t> Engine::reserve(std::uint64_t job_id, std::uint32_t ent
         DCPDS_CHECK(false, "the engine was closed while a save waited for host cache space");
       }
     } else {
-      off = ring_.try_allocate(bytes, align_);
+      off = ring_.try_allocate(bytes, cache_align(bytes));
       if (!off) {
         undo();
         return {};
@@ -633,7 +634,7 @@ void Engine::copy_loop(int /*index*/) {
 void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket,
                     CudaResources& cuda_res, int& current_device) {
   std::atomic<bool>& failed = job->failed;
-  auto off = ring_.allocate_with_ticket(ticket, bytes, align_,
+  auto off = ring_.allocate_with_ticket(ticket, bytes, cache_align(bytes),
                                         [&] { return failed.load(); });
   std::string error;
   std::uint32_t crc = 0;

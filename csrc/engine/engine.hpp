@@ -35,6 +35,7 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -320,6 +321,12 @@ class Engine {
   const EngineOptions options_;
   const std::size_t chunk_bytes_;
   const std::size_t align_;
+  // Cache alignment of a chunk: O_DIRECT's for chunks the flush may write direct, 64 bytes for
+  // smaller ones (written through the page cache anyway): 20,000 tiny tensors then touch 1.3 MB
+  // of cache instead of 80 MB.
+  std::size_t cache_align(std::size_t bytes) const {
+    return bytes >= PosixFile::kDirectMinBytes ? align_ : std::min<std::size_t>(align_, 64);
+  }
   std::mutex cuda_mu_;                 // serializes enable_cuda()
   std::unique_ptr<CudaRuntime> cuda_;  // declared first: the pinned cache unregisters through it
   std::string pin_error_;              // why the cache is not pinned (guarded by mu_)
