@@ -252,16 +252,7 @@ class Stager:
         compacted first.
         """
         _validate(name, tensor)
-        if (
-            type(tensor) is torch.Tensor
-            and not tensor.requires_grad
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
-        ):
-            source = tensor  # no alias: with 100k tiny tensors one more object each is 40 MB
-        else:
-            source = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        source = _direct_source(tensor)
         return self._register(job, name, source, source, lazy=False, direct=True)
 
     def stage_tensors(
@@ -277,16 +268,7 @@ class Stager:
             if not _local(t).is_cpu:
                 caps[i] = self.stage_tensor(job, name, t)
                 continue
-            if (
-                type(t) is torch.Tensor
-                and not t.requires_grad
-                and t.is_contiguous()
-                and not t.is_conj()
-                and not t.is_neg()
-            ):
-                source = t  # no alias (see stage_tensor)
-            else:
-                source = t.detach().resolve_conj().resolve_neg().contiguous()
+            source = _direct_source(t)
             batch.append(i)
             sources.append(source)
         if batch:
@@ -600,6 +582,21 @@ class Stager:
         job.tensors.append(cap)
         job.by_staged_id[id(staged)] = cap
         return cap
+
+
+def _direct_source(t: torch.Tensor) -> torch.Tensor:
+    """What a synchronous save writes a tensor from: the tensor itself when it is plain and
+    contiguous (no alias: with 100k tiny tensors one more object each is 40 MB), else a compact
+    copy without the conj/neg bits."""
+    if (
+        type(t) is torch.Tensor
+        and not t.requires_grad
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    ):
+        return t
+    return t.detach().resolve_conj().resolve_neg().contiguous()
 
 
 def _join(path: str, key: Any) -> str:

@@ -62,19 +62,31 @@ def test_step_barrier_opt_out_takes_everything_at_the_call(
     assert_state_equal(ref, out)
 
 
-def test_parameter_changed_outside_step_fails_the_save_not_training(
-    tmp_path: Any, writer_factory: Any
-) -> None:
+def _save_then_change_outside_step(
+    w: DataStatesWriter, path: str, key: str = "model", after_step: Any = None
+) -> tuple[torch.nn.Module, Any]:
+    """An owned parameter changed in place outside step() before its lazy copy: the automatic
+    barrier of the next step fails that save (training goes on). Returns the model and the
+    save's future; ``after_step`` runs right after that step."""
     model, opt = _mlp()
     _step(model, opt)
-    w: DataStatesWriter = writer_factory(capture="owned")
     w.engine.pause_copies(True)
-    path = str(tmp_path / "c")
-    fut = dcp.async_save({"model": model.state_dict()}, storage_writer=w, checkpoint_id=path)
+    fut = dcp.async_save({key: model.state_dict()}, storage_writer=w, checkpoint_id=path)
     with torch.no_grad():
         model[0].weight.mul_(0.5)  # an in-place change outside step(), before the copy
     w.engine.pause_copies(False)
     _step(model, opt)  # the automatic barrier finds the change: the save fails, step() goes on
+    if after_step is not None:
+        after_step()
+    return model, fut
+
+
+def test_parameter_changed_outside_step_fails_the_save_not_training(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    w: DataStatesWriter = writer_factory(capture="owned")
+    path = str(tmp_path / "c")
+    model, fut = _save_then_change_outside_step(w, path)
     with pytest.raises(BaseException, match=r"0\.weight.*modified in place"):
         fut.result(timeout=60)
     assert not os.path.exists(os.path.join(path, ".metadata"))
@@ -103,17 +115,9 @@ def test_a_save_failed_before_its_thread_started_ends_instead_of_hanging(
         return real_items(self)
 
     monkeypatch.setattr(jobs.StagedStateDict, "items", late_items)
-    model, opt = _mlp()
-    _step(model, opt)
     w: DataStatesWriter = writer_factory(capture="owned")
-    w.engine.pause_copies(True)
     path = str(tmp_path / "c")
-    fut = dcp.async_save({"model": model.state_dict()}, storage_writer=w, checkpoint_id=path)
-    with torch.no_grad():
-        model[0].weight.mul_(0.5)
-    w.engine.pause_copies(False)
-    _step(model, opt)  # the barrier fails the save
-    failed.set()
+    model, fut = _save_then_change_outside_step(w, path, after_step=failed.set)
     with pytest.raises(BaseException, match=r"0\.weight.*modified in place"):
         fut.result(timeout=60)
     assert not os.path.exists(os.path.join(path, ".metadata"))
@@ -133,20 +137,12 @@ def test_a_failed_save_keeps_nothing_alive(tmp_path: Any, writer_factory: Any) -
 
     from dcp_datastates.capture import CapturedTensor
 
-    model, opt = _mlp()
-    _step(model, opt)
     w: DataStatesWriter = writer_factory(capture="owned")
-    w.engine.pause_copies(True)
-    state = {"leakprobe": model.state_dict()}
-    fut = dcp.async_save(state, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
-    with torch.no_grad():
-        model[0].weight.mul_(0.5)
-    w.engine.pause_copies(False)
-    _step(model, opt)
+    _model, fut = _save_then_change_outside_step(w, str(tmp_path / "c"), key="leakprobe")
     with pytest.raises(BaseException, match="modified in place"):
         fut.result(timeout=60)
     assert w.wait(timeout=60)
-    del fut, state
+    del fut
     gc.collect()
     alive = [o for o in gc.get_objects()
              if isinstance(o, CapturedTensor) and o.name.startswith("leakprobe")]
