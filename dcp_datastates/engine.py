@@ -203,9 +203,10 @@ class Engine:
     def skip(self, job: int, entry: int) -> None:
         self._core.skip(job, entry)
 
-    def write_bytes(self, job: int, file: int, offset: int, data: bytes) -> None:
+    def write_bytes(self, job: int, file: int, offset: int, data: bytes, name: str = "") -> None:
+        """Queues raw bytes for a file; ``name`` (the item) is named if the write fails."""
         with translate_errors("cannot queue a write"):
-            self._core.write_bytes(job, file, offset, data)
+            self._core.write_bytes(job, file, offset, data, name)
 
     def seal(self, job: int) -> None:
         with translate_errors("cannot seal the save"):

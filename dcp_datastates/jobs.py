@@ -405,6 +405,7 @@ class JobTable:
                 self._unreported.append(job)
         if job.adhoc:
             self.drop_job(job)
+            job.discard_payload()  # the save context may outlive it; the records are not needed
 
     def drop_job(self, job: SaveJob) -> None:
         """Removes a job from the table; wakes whoever waits for the table to change."""

@@ -139,7 +139,7 @@ class Placer:
                     raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
                     f, off = layout.place_bytes(len(raw))
                     if d.local:
-                        eng.write_bytes(job.engine_job, fid(f), off, raw)
+                        eng.write_bytes(job.engine_job, fid(f), off, raw, item.index.fqn)
                     else:
                         sink[f].append(SinkItem(offset=off, data=raw))
                     bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))

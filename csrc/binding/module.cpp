@@ -310,7 +310,10 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("write_bytes",
            [](EngineHandle& h, std::uint64_t job, std::int32_t file, std::uint64_t offset,
-              const py::bytes& data) { h.get().write_bytes(job, file, offset, std::string(data)); })
+              const py::bytes& data, const std::string& name) {
+             h.get().write_bytes(job, file, offset, std::string(data), name);
+           },
+           py::arg("job"), py::arg("file"), py::arg("offset"), py::arg("data"), py::arg("name") = "")
       .def("seal", [](EngineHandle& h, std::uint64_t job) { h.get().seal(job); })
       .def("chunk_count", [](EngineHandle& h, std::uint64_t job, std::uint32_t entry) {
         return h.get().chunk_count(job, entry);

@@ -745,7 +745,8 @@ void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,
   e.trailer = intern(trailer);
   if (e.chunks.empty()) {
     // A zero-size payload: only the header and trailer are written.
-    job.raws.push_back(RawWrite{file, payload_offset - header.size(), header + trailer});
+    job.raws.push_back(
+        RawWrite{file, payload_offset - header.size(), header + trailer, e.name});
     ++job.outstanding;
     enqueue_flush_locked(FlushTask{FlushKind::kRaw, job_id, 0,
                                    static_cast<std::uint32_t>(job.raws.size() - 1)});
@@ -785,7 +786,7 @@ void Engine::skip(std::uint64_t job_id, std::uint32_t entry) {
 }
 
 void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t offset,
-                         const std::string& data) {
+                         const std::string& data, const std::string& name) {
   check_owner();
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
@@ -793,7 +794,7 @@ void Engine::write_bytes(std::uint64_t job_id, std::int32_t file, std::uint64_t 
   DCPDS_CHECK(!job.sealed, "cannot write to a sealed save");
   DCPDS_CHECK(file >= 0 && static_cast<std::size_t>(file) < job.files.size(),
               "unknown file " + std::to_string(file));
-  job.raws.push_back(RawWrite{file, offset, data});
+  job.raws.push_back(RawWrite{file, offset, data, name});
   ++job.outstanding;
   enqueue_flush_locked(
       FlushTask{FlushKind::kRaw, job_id, 0, static_cast<std::uint32_t>(job.raws.size() - 1)});
@@ -998,7 +999,7 @@ void Engine::flush_loop(int /*index*/) {
       case FlushKind::kRaw: {
         PosixFile* file;
         std::uint64_t offset;
-        std::string bytes;
+        std::string bytes, name;
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (job->failed.load()) {
@@ -1010,12 +1011,14 @@ void Engine::flush_loop(int /*index*/) {
           file = job->files[w.file].get();
           offset = w.offset;
           bytes = w.data;
+          name = w.name;
         }
         std::string error;
         try {
           file->write_at(offset, {iovec{bytes.data(), bytes.size()}});
         } catch (const std::exception& ex) {
-          error = ex.what();
+          error = name.empty() ? std::string(ex.what())
+                               : "flush of '" + name + "' failed: " + ex.what();
         }
         std::lock_guard<std::mutex> lock(mu_);
         if (error.empty()) job->stats.bytes_written += bytes.size();

@@ -166,8 +166,9 @@ class Engine {
              std::uint64_t payload_offset, const std::string& header, const std::string& trailer);
   void place_external(std::uint64_t job, std::uint32_t entry);
   void skip(std::uint64_t job, std::uint32_t entry);
+  // `name` (the item written, may be empty) is named in the error if the write fails.
   void write_bytes(std::uint64_t job, std::int32_t file, std::uint64_t offset,
-                   const std::string& data);
+                   const std::string& data, const std::string& name = "");
   void seal(std::uint64_t job);  // placement complete; entries never placed are skipped
 
   // --- external consumers (the fsspec flush path): chunks in the order they were queued
@@ -246,6 +247,7 @@ class Engine {
     std::int32_t file;
     std::uint64_t offset;
     std::string data;
+    std::string name;  // the item it belongs to (for errors)
   };
   struct Job {
     std::uint64_t id = 0;
