@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -82,6 +83,13 @@ def _rank_entry(
             _write_error(work, rank)
         # torch's spawn wrapper only reports Exception subclasses
         raise RuntimeError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from None
+    # The outcome is recorded: end the rank without interpreter teardown. Third-party state torn
+    # down at exit (Accelerate's PartialState, gloo) once aborted a rank whose body had passed
+    # ("terminate called without an active exception", exit code -6, in CI). Whether our own
+    # writer exits cleanly is tested in dedicated subprocess tests (test_protocol, test_tiers).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _write_error(work: Path, rank: int) -> None:

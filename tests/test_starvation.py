@@ -38,6 +38,9 @@ def test_step_barrier_copies_itself_when_copy_threads_starve(tmp_path: Path) -> 
     writer = DataStatesWriter(
         tmp_path, host_cache_size="256MiB", chunk_size="1MiB", copy_threads=1
     )
+    # Where SCHED_IDLE is not granted or the hogs start late, the copy thread could still finish
+    # all chunks before the step: slow each copy down (up to 20 ms) so chunks are still queued.
+    writer.engine.set_delays(20000, 0, seed=3)
     try:
         time.sleep(0.5)  # the hogs are spinning
         expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
