@@ -14,19 +14,36 @@ Contract:
 * it is process-wide (CPython has one collector), re-entrant and thread-safe: the collector is
   re-enabled when the last pause ends, and only if it was enabled when the first one began (a
   program that disabled it keeps it disabled);
-* nothing to do after ``fork()``: a child inherits the state, and its own pauses nest as usual.
+* fork: a child forked while another thread of the parent is inside a pause (a DataLoader
+  worker started during a save) would inherit a disabled collector that no thread of its own
+  ever re-enables. The child therefore starts with no pause in progress and the collector
+  restored; a pause that was entered before the fork ends in the child without effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0
 _reenable = False
+_generation = 0  # bumped in a forked child: pauses entered before the fork end without effect
+
+
+def _reset_in_child() -> None:
+    global _lock, _depth, _reenable, _generation
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    if _depth > 0 and _reenable:
+        gc.enable()
+    _depth, _reenable = 0, False
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 @contextlib.contextmanager
@@ -34,6 +51,7 @@ def gc_paused() -> Iterator[None]:
     """Runs the body with the cyclic garbage collector disabled (see the module docstring)."""
     global _depth, _reenable
     with _lock:
+        generation = _generation
         if _depth == 0:
             _reenable = gc.isenabled()
             if _reenable:
@@ -43,10 +61,11 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0 and _reenable:
-                _reenable = False
-                gc.enable()
+            if generation == _generation:
+                _depth -= 1
+                if _depth == 0 and _reenable:
+                    _reenable = False
+                    gc.enable()
 
 
 __all__ = ["gc_paused"]

@@ -4,6 +4,7 @@ never re-enables a collector the program disabled, and a failing save leaves it 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from typing import Any
 
@@ -59,6 +60,41 @@ def test_overlapping_pauses_from_threads_end_enabled() -> None:
     for t in threads:
         t.join(timeout=60)
     assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_another_threads_pause_collects() -> None:
+    # A DataLoader worker forked while a save thread is inside a pause: the child has no
+    # thread that would end that pause, so it must start with the collector enabled.
+    gc.enable()
+    inside, release = threading.Event(), threading.Event()
+
+    def paused_thread() -> None:
+        with gc_paused():
+            inside.set()
+            release.wait(30)
+
+    t = threading.Thread(target=paused_thread)
+    t.start()
+    assert inside.wait(30)
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanups
+        ok = gc.isenabled()
+        with gc_paused():
+            ok = ok and not gc.isenabled()
+        ok = ok and gc.isenabled()
+        os.write(wfd, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(wfd)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert not gc.isenabled()  # the parent's pause goes on
+    release.set()
+    t.join(30)
+    assert gc.isenabled()
+    assert got == b"1", "the forked child's collector stayed disabled"
 
 
 def test_an_exception_inside_reenables() -> None:
