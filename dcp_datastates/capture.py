@@ -117,6 +117,12 @@ class SaveJob:
     def lookup(self, staged_obj: Any) -> CapturedTensor | None:
         return self.by_staged_id.get(id(staged_obj))
 
+    def rekey(self, cap: CapturedTensor, key: Any) -> None:
+        """Makes ``key`` (a plan's WriteItem) the identity under which ``cap`` is found."""
+        self.by_staged_id.pop(id(cap.staged), None)
+        self.by_staged_id[id(key)] = cap
+        cap.staged = key
+
     def release_sources(self, done: bool = False) -> None:
         """Drops the references to sources the engine no longer reads.
 
@@ -256,17 +262,17 @@ class Stager:
         return self._register(job, name, source, source, lazy=False, direct=True)
 
     def stage_tensors(
-        self, job: SaveJob, names: list[str], tensors: list[torch.Tensor]
-    ) -> list[CapturedTensor]:
+        self, job: SaveJob, names: list[str], tensors: list[torch.Tensor], keys: list[Any]
+    ) -> int:
         """:meth:`stage_tensor` for many tensors, host ones registered in one native call
-        (``dcp.save`` of 100,000 tensors); the records are in the order given."""
-        caps: list[CapturedTensor | None] = [None] * len(tensors)
+        (``dcp.save`` of 100,000 tensors); record i is found by (and staged as) ``keys[i]``.
+        Returns how many were registered."""
         batch: list[int] = []
         sources: list[torch.Tensor] = []
         for i, (name, t) in enumerate(zip(names, tensors, strict=True)):
             _validate(name, t)
             if not _local(t).is_cpu:
-                caps[i] = self.stage_tensor(job, name, t)
+                job.rekey(self.stage_tensor(job, name, t), keys[i])
                 continue
             source = _direct_source(t)
             batch.append(i)
@@ -282,14 +288,13 @@ class Stager:
             )
             for k, (i, src) in enumerate(zip(batch, sources, strict=True)):
                 cap = CapturedTensor(
-                    name=names[i], staged=src, source=src, entry=first + k, nbytes=sizes[k],
-                    dtype=src.dtype, shape=tuple(src.shape), lazy=False, version=src._version,
-                    direct=True,
+                    name=names[i], staged=keys[i], source=src, entry=first + k,
+                    nbytes=sizes[k], dtype=src.dtype, shape=tuple(src.shape), lazy=False,
+                    version=src._version, direct=True,
                 )
                 job.tensors.append(cap)
-                job.by_staged_id[id(src)] = cap
-                caps[i] = cap
-        return [c for c in caps if c is not None]
+                job.by_staged_id[id(keys[i])] = cap
+        return len(tensors)
 
     # -- internals -------------------------------------------------------------------------
     def _walk(

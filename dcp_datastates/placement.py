@@ -128,11 +128,9 @@ class Placer:
                 return (1, 1, 0)
             return (0, 0 if cap.at_call else 1, cap.entry)
 
-        if job.adhoc:  # dcp.save: nothing was staged; register every tensor in one batch
-            with gc_paused():
-                added_late = self.capture_late_many(job, plan.items, planner)
-
         with gc_paused():  # per-item bookkeeping only, no waits (see dcp_datastates.gcpause)
+            if job.adhoc:  # dcp.save: nothing was staged; register every tensor in one batch
+                added_late = self.capture_late_many(job, plan.items, planner)
             for item in sorted(plan.items, key=order):
                 if item.type == WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item)
@@ -266,9 +264,7 @@ class Placer:
         written from its source (checked unchanged afterwards, ``Tracker.check_fallbacks``)."""
         info.fallback = True
         cap = self._stager.stage_tensor(job, info.name, info.source)
-        job.by_staged_id.pop(id(cap.staged), None)
-        job.by_staged_id[id(item)] = cap
-        cap.staged = item
+        job.rekey(cap, item)
         cap.incr = info
         return cap
 
@@ -278,19 +274,9 @@ class Placer:
         """:meth:`capture_late` for every tensor item of a ``dcp.save`` (one native call);
         True if there was any."""
         tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
-        data: list[torch.Tensor] = []
-        for item in tensor_items:
-            t = planner.resolve_data(item)
-            if not isinstance(t, torch.Tensor):
-                raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(t)!r}")
-            data.append(t)
-        caps = self._stager.stage_tensors(job, [item.index.fqn for item in tensor_items], data)
-        by_id = job.by_staged_id
-        for item, cap in zip(tensor_items, caps, strict=True):
-            by_id.pop(id(cap.staged), None)
-            by_id[id(item)] = cap
-            cap.staged = item
-        return bool(caps)
+        data = [_resolved_tensor(item, planner) for item in tensor_items]
+        names = [item.index.fqn for item in tensor_items]
+        return self._stager.stage_tensors(job, names, data, tensor_items) > 0
 
     def capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:
         """Captures an item the staged state does not know (dcp.save, or custom planners)."""
@@ -300,13 +286,8 @@ class Placer:
                 "its data is written",
                 item.index.fqn,
             )
-        data = planner.resolve_data(item)
-        if not isinstance(data, torch.Tensor):
-            raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(data)!r}")
-        cap = self._stager.stage_tensor(job, item.index.fqn, data)
-        job.by_staged_id.pop(id(cap.staged), None)
-        job.by_staged_id[id(item)] = cap
-        cap.staged = item
+        cap = self._stager.stage_tensor(job, item.index.fqn, _resolved_tensor(item, planner))
+        job.rekey(cap, item)
         return cap
 
     def manifest(
@@ -361,6 +342,14 @@ class Placer:
             save_id=ctx.save_id,
             items=items,
         )
+
+
+def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+    """The tensor the planner resolves for a tensor item; raises naming the item otherwise."""
+    data = planner.resolve_data(item)
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(data)!r}")
+    return data
 
 
 def write_result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
