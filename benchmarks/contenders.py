@@ -522,6 +522,16 @@ class DataStatesAsync(_DataStates):
         self.writer.wait_captured()
 
 
+class DataStatesAsyncLate(DataStatesAsync):
+    """``ds_async`` with ``early_flush=False``: every item placed in ``write_data``, after DCP's
+    planning, as before early placement (dcp_datastates.early). Run beside ``ds_async`` to see
+    what flushing during the planning gains."""
+
+    name = "ds_async_late"
+    label = "DataStates async_save, early_flush=False"
+    writer_options = {"early_flush": False}
+
+
 class DataStatesAsyncLazy(DataStatesAsync):
     """``capture="lazy"`` for every tensor, not only for ``protect()``-ed optimizer state.
 
@@ -586,7 +596,11 @@ ALL_NAMES: tuple[str, ...] = (
     "ds_async_lazy",
     "ds_plain",
 )
-DATASTATES_NAMES: tuple[str, ...] = ("ds_save", "ds_async", "ds_async_lazy", "ds_plain")
+DATASTATES_NAMES: tuple[str, ...] = (
+    "ds_save", "ds_async", "ds_async_lazy", "ds_plain", "ds_async_late"
+)
+# variants run only when named (A/B comparisons of one option)
+EXTRA_NAMES: tuple[str, ...] = ("ds_async_late",)
 # same as ds_async once protect(optimizer) marks all training state as lazily captured
 TRAINING_EXCLUDED: tuple[str, ...] = ("ds_async_lazy",)
 # the plain call is about training loops (no barrier: the synthetic scenarios' in-place change
@@ -616,6 +630,7 @@ def make_contender(name: str) -> Contender:
         "ds_save": DataStatesSave,
         "ds_async": DataStatesAsync,
         "ds_async_lazy": DataStatesAsyncLazy,
+        "ds_async_late": DataStatesAsyncLate,
         "ds_plain": DataStatesPlain,
         "ds_plain_eager": DataStatesPlainEager,
         "ds_plain_idleflush": DataStatesPlainIdleFlush,
@@ -624,7 +639,7 @@ def make_contender(name: str) -> Contender:
         "dcp_default_stager": DcpAsyncStager,
     }
     if name not in factories:
-        names = ", ".join(dict.fromkeys(ALL_NAMES + MLP_NAMES))
+        names = ", ".join(dict.fromkeys(ALL_NAMES + MLP_NAMES + EXTRA_NAMES))
         raise ValueError(f"unknown contender {name!r}; choose from {names}")
     c: Contender = factories[name]()
     c.name = name

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script (`python benchmarks/run.py`)
 from benchmarks.contenders import (  # noqa: E402
     ALL_NAMES,
     DATASTATES_NAMES,
+    EXTRA_NAMES,
     MLP_DEFAULT,
     MLP_NAMES,
     SYNTHETIC_EXCLUDED,
@@ -200,8 +201,10 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
 
     contenders = tuple(_csv(args.contenders))
     for c in contenders:
-        if c not in ALL_NAMES:
-            raise SystemExit(f"unknown contender {c!r}; choose from {', '.join(ALL_NAMES)}")
+        if c not in ALL_NAMES + EXTRA_NAMES:
+            raise SystemExit(
+                f"unknown contender {c!r}; choose from {', '.join(ALL_NAMES + EXTRA_NAMES)}"
+            )
     repeats = int(pick("repeats", "repeats"))
     saves = int(pick("saves", "saves"))
     check = args.quick if args.check_barrier is None else args.check_barrier

@@ -108,6 +108,8 @@ class SaveJob:
     thread: int | None = None  # ident of the DCP save thread carrying this job
     finished: bool = False  # written or failed; its engine job is forgotten
     protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
+    early: Any = None  # its EarlyPlacement (dcp_datastates.early), placed before DCP planned
+    early_tensors: int = 0  # how many of its tensors were placed early
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -135,6 +137,8 @@ class SaveJob:
                 t.spill.close()
         if done:
             self.keepalive.clear()
+            if self.early is not None:
+                self.early.close()  # its unnamed files, if never linked, vanish with the engine's
 
     def discard_payload(self) -> None:
         """Drops the per-tensor records of a finished job whose DCP protocol is over.

@@ -74,6 +74,8 @@ class WriterConfig:
         flush_threads: native threads writing the cache to files.
         files_per_rank: data files each rank writes (written in parallel).
         o_direct: write payloads with O_DIRECT (4 KiB-aligned), bypassing the page cache.
+        early_flush: place a staged save's tensors when its save thread begins, before DCP
+            plans (one rank, local directories; dcp_datastates.early).
         capture: "auto" (the DataStates policy, chosen by measurement; "owned" is the same)
             copies every optimizer-owned tensor in the background, the owner's next ``step()``
             waiting for it, and snapshots everything else at the call; "lazy"
@@ -99,6 +101,7 @@ class WriterConfig:
     flush_threads: int = 2
     files_per_rank: int = 2
     o_direct: bool = True
+    early_flush: bool = True
     capture: CaptureMode = "auto"
     checksums: bool = True
     durable: bool = True

@@ -184,9 +184,21 @@ class Engine:
         except _core.EngineError as e:
             raise CheckpointSaveError(f"cannot capture: {e}") from None
 
-    def open_file(self, job: int, path: str) -> int:
+    def open_file(self, job: int, path: str, anon_dir: str = "") -> int:
+        """Creates the data file ``path``; with ``anon_dir``, an unnamed file in that directory
+        (``O_TMPFILE``) that :meth:`dup_fd` lets the caller link under ``path``."""
         with translate_errors("cannot open a data file"):
-            return int(self._core.open_file(job, path))
+            return int(self._core.open_file(job, path, anon_dir))
+
+    def link_file(self, job: int, file: int) -> None:
+        """Names an unnamed data file (opened with ``anon_dir``) at its path."""
+        with translate_errors("cannot name a data file"):
+            self._core.link_file(job, file)
+
+    def dup_fd(self, job: int, file: int) -> int:
+        """A new descriptor of an open data file of ``job``; the caller closes it."""
+        with translate_errors("cannot reach a data file"):
+            return int(self._core.dup_fd(job, file))
 
     def place(
         self, job: int, entry: int, file: int, payload_offset: int, header: bytes, trailer: bytes

@@ -495,6 +495,7 @@ class JobTable:
             copy_busy_s=float(st["copy_busy_s"]),
             stall_s=job.stall_s,
             lazy_bytes=job.lazy_bytes,
+            early_tensors=job.early_tensors,
             flush_busy_s=float(st["flush_busy_s"]),
             error=str(job.error) if job.error is not None else None,
         )

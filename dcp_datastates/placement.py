@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -32,6 +33,7 @@ from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
 from .commit import manifest_name
 from .config import WriterConfig
 from .contexts import SaveContext
+from .early import EarlyPlacement, place_early
 from .engine import Engine
 from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
@@ -60,6 +62,25 @@ class Placer:
         self._stager = stager
         self.config = config
         self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
+
+    def place_early(self, ctx: SaveContext, job: SaveJob) -> None:
+        """Places a staged job's tensors before DCP plans, so they flush during the planning
+        (:mod:`dcp_datastates.early`: one rank, local directories, the torch format, not
+        incremental). Runs in the save thread, before any collective; never raises for a
+        file system that cannot do it (the job is then placed in :meth:`write`)."""
+        if (
+            not self.config.early_flush
+            or job.adhoc
+            or job.error is not None
+            or self.config.format != "torch"
+            or self._incremental is not None
+            or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        ):
+            return
+        job.early = place_early(
+            self._engine, self._templates, self.config, job, ctx.directory(), ctx.rank
+        )
+        job.early_tensors = len(job.early.placed) if job.early is not None else 0
 
     def write(
         self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
@@ -95,11 +116,26 @@ class Placer:
         d = ctx.directory()
         d.ensure_exists()
         eng = self._engine
-        nfiles = self.config.files_per_rank if d.local else 1
-        layout = FileLayout(nfiles, _core.DIRECT_ALIGN if self.config.o_direct else 64,
-                            direct_min=_core.DIRECT_MIN_BYTES)
+        early: EarlyPlacement | None = job.early
+        copy_early = False  # the early files could not be linked: copied after the flush
+        if early is not None:
+            if early.rank != ctx.rank:  # set_up_storage_writer placed them for this context
+                raise CheckpointSaveError(
+                    f"save to {ctx.path}: its data was placed early for rank {early.rank}, "
+                    f"not {ctx.rank}"
+                )
+            # Under the claim, the overwritten checkpoint's files are gone: name ours.
+            copy_early = not early.matches(d) or not early.link(eng, job)
+            layout = early.layout
+            file_ids: dict[int, int] = dict(early.file_ids)
+            early_at = early.placed
+        else:
+            nfiles = self.config.files_per_rank if d.local else 1
+            layout = FileLayout(nfiles, _core.DIRECT_ALIGN if self.config.o_direct else 64,
+                                direct_min=_core.DIRECT_MIN_BYTES)
+            file_ids = {}
+            early_at = {}
         staged_sd = getattr(planner, "state_dict", None)
-        file_ids: dict[int, int] = {}
         sink: dict[int, list[SinkItem]] = collections.defaultdict(list)
         placed: list[tuple[WriteItem, CapturedTensor, int, int, int]] = []
         results: list[WriteResult] = []
@@ -159,6 +195,14 @@ class Placer:
                     added_late = True
                 self.check_planned_shape(ctx, item, cap)
                 tmpl = self._templates.get(cap.dtype, cap.shape)
+                pre = early_at.get(cap.entry) if early_at else None
+                if pre is not None:  # placed (and flushing) since set_up_storage_writer
+                    f, start, payload = pre
+                    placed.append((item, cap, f, start, payload))
+                    results.append(
+                        write_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes)
+                    )
+                    continue
                 f, start, payload = layout.place_tensor(tmpl)
                 if cap.spill is not None and d.local:
                     fid(f)  # the engine creates (and later syncs) the data file
@@ -188,7 +232,8 @@ class Placer:
             eng.start_copies(job.engine_job)
         ext_records: list[tuple[int, int, int, int, int, int]] = []
         for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
-            fd = os.open(
+            unnamed = copy_early and early is not None and f in early.fds
+            fd = early.fds[f] if unnamed and early is not None else os.open(
                 d.join(data_file_name(ctx.rank, f)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             )
             try:
@@ -197,7 +242,8 @@ class Placer:
                 cap.spill.copy_to(fd, payload)
                 os.pwrite(fd, tmpl.suffix, payload + cap.nbytes)
             finally:
-                os.close(fd)
+                if not unnamed:  # an unnamed file's descriptor is the early placement's
+                    os.close(fd)
             ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
         eng.seal(job.engine_job)
 
@@ -216,6 +262,9 @@ class Placer:
                 job.verified = True
             job.release_sources()
         eng.wait_done(job.engine_job)
+        if copy_early:
+            assert early is not None
+            early.copy_into(d, self.config.durable)
         if infos:
             Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
 

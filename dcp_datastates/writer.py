@@ -9,7 +9,9 @@ call                        thread / ranks  what happens here
                                             engine job, copies start; returns at once
 ``reset(checkpoint_id)``    save thread     a new per-thread save context for that path
 ``storage_meta()``          save thread     checkpoint id and a fresh save id
-``set_up_storage_writer``   save thread     rank and role recorded; waits for earlier saves
+``set_up_storage_writer``   save thread     rank and role recorded; waits for earlier saves;
+                                            one rank, local path: the staged tensors are
+                                            placed in unnamed files and flush from here on
 ``prepare_local_plan``      all             unchanged
 ``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed;
                                             in-progress marker written
@@ -161,6 +163,9 @@ class DataStatesWriter(StorageWriter):
         files_per_rank: data files per rank (default: flush_threads); 1 for non-local URLs.
         o_direct: write payloads with O_DIRECT where the file system allows it (default: on; no
             kernel copy, no page-cache pollution; file systems that refuse it get buffered I/O).
+        early_flush: with ``async_save`` on one rank to a local directory, place the staged
+            tensors in (still unnamed) data files as soon as the save thread begins, so they
+            flush while DCP plans (default: on; :mod:`dcp_datastates.early`).
         capture: "auto" (default), "owned", "lazy" or "eager"; see docs/configuration.md.
         checksums: CRC-32C per chunk, recorded in the manifest (see ``verify_checkpoint``).
         durable: fdatasync data files and fsync directories before the commit.
@@ -223,6 +228,7 @@ class DataStatesWriter(StorageWriter):
         flush_threads: int = 2,
         files_per_rank: int | None = None,
         o_direct: bool = True,
+        early_flush: bool = True,
         capture: CaptureMode = "auto",
         checksums: bool = True,
         durable: bool = True,
@@ -254,6 +260,7 @@ class DataStatesWriter(StorageWriter):
             flush_threads=flush_threads,
             files_per_rank=files_per_rank if files_per_rank is not None else flush_threads,
             o_direct=o_direct,
+            early_flush=early_flush,
             capture=capture,
             checksums=checksums,
             durable=durable,
@@ -573,6 +580,8 @@ class DataStatesWriter(StorageWriter):
         self._table.wait_turn(ctx.job)
         if ctx.job is not None and ctx.job.error is not None:
             raise ctx.job.error  # failed before its save began (e.g. by a step barrier)
+        if ctx.job is not None:
+            self._placer.place_early(ctx, ctx.job)  # flushes while DCP plans (early.py)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:

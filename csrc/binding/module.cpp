@@ -292,11 +292,25 @@ PYBIND11_MODULE(_core, m) {
            [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::uintptr_t src,
               bool direct) { h.get().retarget(job, entry, src, direct); })
       .def("open_file",
-           [](EngineHandle& h, std::uint64_t job, const std::string& path) {
+           [](EngineHandle& h, std::uint64_t job, const std::string& path,
+              const std::string& anon_dir) {
              Engine& e = h.get();
              py::gil_scoped_release nogil;
-             return e.open_file(job, path);
-           })
+             return e.open_file(job, path, anon_dir);
+           },
+           py::arg("job"), py::arg("path"), py::arg("anon_dir") = "",
+           "Creates the data file `path`, or (anon_dir given) an unnamed file in anon_dir that "
+           "the caller links under `path` through dup_fd().")
+      .def("link_file", [](EngineHandle& h, std::uint64_t job, std::int32_t file) {
+             Engine& e = h.get();
+             py::gil_scoped_release nogil;
+             e.link_file(job, file);
+           },
+           "Names an unnamed data file of the job (opened with anon_dir) at its path.")
+      .def("dup_fd", [](EngineHandle& h, std::uint64_t job, std::int32_t file) {
+             return h.get().dup_fd(job, file);
+           },
+           "A new descriptor (O_CLOEXEC) of an open data file of the job; the caller closes it.")
       .def("place",
            [](EngineHandle& h, std::uint64_t job, std::uint32_t entry, std::int32_t file,
               std::uint64_t payload_offset, const py::bytes& header, const py::bytes& trailer) {

@@ -706,17 +706,43 @@ void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::ui
 // ------------------------------------------------------------------------------------------------
 // Stage 3: place
 
-std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path) {
+std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path,
+                               const std::string& anon_dir) {
   check_owner();
   {
     std::lock_guard<std::mutex> lock(mu_);
     check_failed_locked(job_locked(job_id));
   }
-  auto file = std::make_unique<PosixFile>(path, options_.o_direct);  // may throw, naming the path
+  // may throw, naming the path
+  auto file = std::make_unique<PosixFile>(path, options_.o_direct, anon_dir);
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   job.files.push_back(std::move(file));
   return static_cast<std::int32_t>(job.files.size() - 1);
+}
+
+int Engine::dup_fd(std::uint64_t job_id, std::int32_t file) {
+  check_owner();
+  std::lock_guard<std::mutex> lock(mu_);
+  Job& job = job_locked(job_id);
+  check_failed_locked(job);
+  DCPDS_CHECK(file >= 0 && static_cast<std::size_t>(file) < job.files.size(),
+              "unknown file " + std::to_string(file));
+  return job.files[static_cast<std::size_t>(file)]->dup_fd();
+}
+
+void Engine::link_file(std::uint64_t job_id, std::int32_t file) {
+  check_owner();
+  PosixFile* f = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Job& job = job_locked(job_id);
+    check_failed_locked(job);
+    DCPDS_CHECK(file >= 0 && static_cast<std::size_t>(file) < job.files.size(),
+                "unknown file " + std::to_string(file));
+    f = job.files[static_cast<std::size_t>(file)].get();
+  }
+  f->link();  // outside the lock (a system call); the file is closed only after seal()
 }
 
 void Engine::place(std::uint64_t job_id, std::uint32_t entry, std::int32_t file,

@@ -161,7 +161,14 @@ class Engine {
   void retarget(std::uint64_t job, std::uint32_t entry, std::uintptr_t src, bool direct);
 
   // --- place
-  std::int32_t open_file(std::uint64_t job, const std::string& path);
+  // Creates the data file `path`; with a non-empty `anon_dir`, an unnamed file there instead
+  // (PosixFile), for the caller to link under `path` through dup_fd().
+  std::int32_t open_file(std::uint64_t job, const std::string& path,
+                         const std::string& anon_dir = "");
+  // A descriptor of an open data file of the job, owned by the caller (PosixFile::dup_fd).
+  int dup_fd(std::uint64_t job, std::int32_t file);
+  // Names an unnamed data file of the job (PosixFile::link).
+  void link_file(std::uint64_t job, std::int32_t file);
   void place(std::uint64_t job, std::uint32_t entry, std::int32_t file,
              std::uint64_t payload_offset, const std::string& header, const std::string& trailer);
   void place_external(std::uint64_t job, std::uint32_t entry);

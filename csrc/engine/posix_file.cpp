@@ -32,18 +32,51 @@ void set_write_fault(const std::string& needle, int err) {
   g_fault_errno = err;
 }
 
-PosixFile::PosixFile(std::string path, bool o_direct) : path_(std::move(path)) {
-  // O_NOFOLLOW: a symlink planted under a data file's name is refused (ELOOP), never followed.
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd_ < 0) DCPDS_CHECK(false, errno_message("cannot create " + path_, errno));
+PosixFile::PosixFile(std::string path, bool o_direct, const std::string& anon_dir)
+    : path_(std::move(path)) {
+  if (anon_dir.empty()) {
+    // O_NOFOLLOW: a symlink planted under a data file's name is refused (ELOOP), never followed.
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd_ < 0) DCPDS_CHECK(false, errno_message("cannot create " + path_, errno));
+  } else {
+#ifdef O_TMPFILE
+    fd_ = ::open(anon_dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0644);  // readable: copy_into
+    if (fd_ < 0)
+      DCPDS_CHECK(false, errno_message("cannot create an unnamed file in " + anon_dir + " for " +
+                                           path_, errno));
+#else
+    DCPDS_CHECK(false, "unnamed files (O_TMPFILE) are not supported on this system");
+#endif
+  }
 #ifdef O_DIRECT
   if (o_direct) {
-    fd_direct_ = ::open(path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
-    // tmpfs and some network file systems refuse O_DIRECT: fall back to buffered writes.
+    // tmpfs and some network file systems refuse O_DIRECT: fall back to buffered writes. An
+    // unnamed file is reopened through /proc (a new open file description of the same inode).
+    const std::string reopen =
+        anon_dir.empty() ? path_ : "/proc/self/fd/" + std::to_string(fd_);
+    fd_direct_ = ::open(reopen.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC |
+                                            (anon_dir.empty() ? O_NOFOLLOW : 0));
   }
 #else
   (void)o_direct;
 #endif
+}
+
+void PosixFile::link() {
+  DCPDS_CHECK(fd_ >= 0, "data file " + path_ + " is closed");
+  const std::string src = "/proc/self/fd/" + std::to_string(fd_);
+  if (::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW) == 0) return;
+  if (errno == EEXIST && ::unlink(path_.c_str()) == 0 &&
+      ::linkat(AT_FDCWD, src.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW) == 0)
+    return;
+  DCPDS_CHECK(false, errno_message("cannot link the data file " + path_, errno));
+}
+
+int PosixFile::dup_fd() const {
+  DCPDS_CHECK(fd_ >= 0, "data file " + path_ + " is closed");
+  const int fd = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) DCPDS_CHECK(false, errno_message("cannot duplicate the descriptor of " + path_, errno));
+  return fd;
 }
 
 PosixFile::~PosixFile() { close(); }

@@ -9,6 +9,10 @@
 // tensors written one synchronous request at a time cost more than one memcpy into the page
 // cache each and a single fdatasync at the end (measured on the `mixed` benchmark mix). If the file system refuses O_DIRECT
 // the file silently uses buffered I/O only (direct_enabled() tells).
+// Anonymous files: with `anon_dir`, the file is created unnamed (O_TMPFILE) in that directory, on
+// the file system `path` will be on; `path` only names it in errors until the caller links it
+// there (link()). Unlinked, it vanishes when closed, also
+// when the process dies: bytes flushed before the checkpoint directory is claimed never show.
 // Errors: every failure throws EngineError naming the path.
 #pragma once
 
@@ -26,7 +30,9 @@ class PosixFile {
   static constexpr std::size_t kDirectAlign = 4096;
   static constexpr std::size_t kDirectMinBytes = 1u << 20;  // smaller payloads: buffered
 
-  PosixFile(std::string path, bool o_direct);
+  // Creates (truncates) `path`; or, with a non-empty `anon_dir`, an unnamed file in that
+  // directory (throws if the file system has no O_TMPFILE).
+  PosixFile(std::string path, bool o_direct, const std::string& anon_dir = "");
   ~PosixFile();  // closes without syncing
   PosixFile(const PosixFile&) = delete;
   PosixFile& operator=(const PosixFile&) = delete;
@@ -37,6 +43,12 @@ class PosixFile {
   void write_payload_at(std::uint64_t offset, const std::uint8_t* data, std::size_t bytes);
   void sync();   // fdatasync
   void close();  // idempotent
+  // A new descriptor of the file (O_CLOEXEC) that the caller owns and closes; it keeps an
+  // unnamed file alive after close().
+  int dup_fd() const;
+  // Gives an unnamed file its name `path()` (linkat through /proc/self/fd), replacing a file of
+  // that name. Throws naming the path (EXDEV, no /proc, a file system without linkat...).
+  void link();
 
   const std::string& path() const { return path_; }
   bool direct_enabled() const { return fd_direct_ >= 0; }
