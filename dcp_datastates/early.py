@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -70,11 +71,14 @@ class EarlyPlacement:
     file_ids: dict[int, int] = field(default_factory=dict)  # layout file -> engine file id
     fds: dict[int, int] = field(default_factory=dict)  # layout file -> descriptor we own
     placed: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # entry -> place
-    linked: bool = False
+    linked: set[int] = field(default_factory=set)  # files named by link()
 
     def __post_init__(self) -> None:
         self._open: list[int] = []  # the descriptors still open, shared with the finalizer
         self._finalizer = weakref.finalize(self, _close_all, self._open)
+        # close() may come from another thread (a barrier failing the job): it waits for a
+        # copy in progress, so a descriptor is never closed (and its number reused) under it.
+        self._lock = threading.Lock()
 
     def adopt_fd(self, f: int, fd: int) -> None:
         self.fds[f] = fd
@@ -86,8 +90,9 @@ class EarlyPlacement:
 
     def link(self, engine: Engine, job: SaveJob) -> bool:
         """Gives every file its DCP name (under the path claim). False if a file cannot be
-        linked there: then :meth:`copy_into` must run once the data is durable."""
-        for fid in sorted(self.file_ids.values()):
+        linked there: then :meth:`copy_into` must run once the data is durable (for the files
+        not linked)."""
+        for f, fid in sorted(self.file_ids.items()):
             try:
                 engine.link_file(job.engine_job, fid)
             except CheckpointSaveError as e:
@@ -95,25 +100,32 @@ class EarlyPlacement:
                     raise  # the job failed meanwhile: that is the error
                 logger.warning("%s; the data file is copied into place after the flush", e)
                 return False
-        self.linked = True
+            self.linked.add(f)
         self.close()
         return True
 
     def copy_into(self, d: CheckpointDir, durable: bool) -> None:
-        """Copies every (durable) unnamed file to its DCP name in ``d``: the fallback of
-        :meth:`link`. Raises naming the file."""
-        for f, fd in sorted(self.fds.items()):
-            target = d.join(data_file_name(self.rank, f))
-            try:
-                _copy_fd(fd, target, durable)
-            except OSError as e:
-                raise CheckpointSaveError(f"cannot write the data file {target}: {e}") from e
+        """Copies every (durable) file not linked by :meth:`link` to its DCP name in ``d``: the
+        fallback of :meth:`link`. Raises naming the file."""
+        with self._lock:
+            if not self._open:
+                raise CheckpointSaveError(f"save to {d.path} ended before its files were copied")
+            for f, fd in sorted(self.fds.items()):
+                target = d.join(data_file_name(self.rank, f))
+                if f in self.linked and self.matches(d):
+                    continue  # named already: copying would truncate the file onto itself
+                try:
+                    _copy_fd(fd, target, durable)
+                except OSError as e:
+                    raise CheckpointSaveError(f"cannot write the data file {target}: {e}") from e
         self.close()
 
     def close(self) -> None:
-        """Closes the descriptors (idempotent). Unlinked files vanish with the engine's."""
-        _close_all(self._open)
-        self.fds.clear()
+        """Closes the descriptors (idempotent, any thread). Unlinked files vanish with the
+        engine's."""
+        with self._lock:
+            _close_all(self._open)
+            self.fds.clear()
 
 
 def _copy_fd(fd: int, target: str, durable: bool) -> None:

@@ -150,10 +150,17 @@ def test_a_save_failing_in_planning_leaves_no_data_files(
     assert_state_equal(_load(path, _state(4)), _state(4))
 
 
+@pytest.mark.parametrize("linked_first", [0, 1])
 def test_files_that_cannot_be_linked_are_copied_into_place(
-    tmp_path: Any, writer_factory: Any, monkeypatch: Any
+    tmp_path: Any, writer_factory: Any, monkeypatch: Any, linked_first: int
 ) -> None:
+    real = Engine.link_file
+    calls = []
+
     def refuse(self: Engine, job: int, file: int) -> None:
+        calls.append(file)
+        if len(calls) <= linked_first:  # the first files are named, the next one is not
+            return real(self, job, file)
         raise CheckpointSaveError("cannot name a data file: injected EXDEV")
 
     monkeypatch.setattr(Engine, "link_file", refuse)
