@@ -296,7 +296,7 @@ class CheckpointDir:
                     os.unlink(self.join(name))
                 except FileNotFoundError:
                     pass
-            if durable:
+            if durable and stale:  # nothing removed (a new directory): nothing to make durable
                 fsync_dir(self.path)
             return
         self.fs.invalidate_cache(self.path)  # object stores: list what is there now

@@ -714,7 +714,8 @@ std::int32_t Engine::open_file(std::uint64_t job_id, const std::string& path,
     check_failed_locked(job_locked(job_id));
   }
   // may throw, naming the path
-  auto file = std::make_unique<PosixFile>(path, options_.o_direct, anon_dir);
+  auto file = std::make_unique<PosixFile>(path, options_.o_direct, anon_dir,
+                                         options_.durable ? kWritebackKickBytes : 0);
   std::lock_guard<std::mutex> lock(mu_);
   Job& job = job_locked(job_id);
   job.files.push_back(std::move(file));
@@ -951,11 +952,11 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
     // iovec wants non-const pointers; pwritev only reads them.
     auto* head_p = const_cast<char*>(head.data());
     auto* tail_p = const_cast<char*>(tail.data());
-    if (file->direct_enabled()) {
+    if (file->direct_enabled() && bytes >= PosixFile::kDirectMinBytes) {
       if (!head.empty()) file->write_at(offset - head.size(), {iovec{head_p, head.size()}});
       file->write_payload_at(offset, data, bytes);
       if (!tail.empty()) file->write_at(offset + bytes, {iovec{tail_p, tail.size()}});
-    } else {
+    } else {  // buffered anyway (small payload, or no O_DIRECT): one pwritev
       file->write_at(offset - head.size(), {iovec{head_p, head.size()},
                                             iovec{data, bytes},
                                             iovec{tail_p, tail.size()}});

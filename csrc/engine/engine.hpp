@@ -111,6 +111,9 @@ struct EngineCounters {
 
 class Engine {
  public:
+  // Buffered bytes per data file between two writeback starts (PosixFile), when durable.
+  static constexpr std::uint64_t kWritebackKickBytes = 8ull << 20;
+
   explicit Engine(const EngineOptions& options);
   ~Engine();  // aborts unfinished jobs, joins threads, frees the cache
   Engine(const Engine&) = delete;

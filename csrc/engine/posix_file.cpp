@@ -32,8 +32,9 @@ void set_write_fault(const std::string& needle, int err) {
   g_fault_errno = err;
 }
 
-PosixFile::PosixFile(std::string path, bool o_direct, const std::string& anon_dir)
-    : path_(std::move(path)) {
+PosixFile::PosixFile(std::string path, bool o_direct, const std::string& anon_dir,
+                     std::uint64_t writeback_kick)
+    : path_(std::move(path)), writeback_kick_(writeback_kick) {
   if (anon_dir.empty()) {
     // O_NOFOLLOW: a symlink planted under a data file's name is refused (ELOOP), never followed.
     fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
@@ -81,12 +82,27 @@ int PosixFile::dup_fd() const {
 
 PosixFile::~PosixFile() { close(); }
 
+void PosixFile::maybe_kick_writeback(std::uint64_t bytes) {
+  if (writeback_kick_ == 0) return;
+  if (unkicked_.fetch_add(bytes) + bytes < writeback_kick_) return;
+  unkicked_.store(0);
+#ifdef SYNC_FILE_RANGE_WRITE
+  // Whole file: pages already under writeback are skipped. A failure here is not an error (the
+  // final fdatasync reports what matters).
+  (void)::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
+#endif
+}
+
 void PosixFile::write_at(std::uint64_t offset, const std::vector<iovec>& iov_in) {
   maybe_inject_fault(path_);
   std::vector<iovec> iov;
   iov.reserve(iov_in.size());
+  std::uint64_t total = 0;
   for (const auto& v : iov_in)
-    if (v.iov_len > 0) iov.push_back(v);
+    if (v.iov_len > 0) {
+      iov.push_back(v);
+      total += v.iov_len;
+    }
   std::size_t first = 0;
   while (first < iov.size()) {
     const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
@@ -111,6 +127,7 @@ void PosixFile::write_at(std::uint64_t offset, const std::vector<iovec>& iov_in)
       }
     }
   }
+  maybe_kick_writeback(total);
 }
 
 void PosixFile::write_payload_at(std::uint64_t offset, const std::uint8_t* data, std::size_t bytes) {
