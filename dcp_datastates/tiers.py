@@ -30,7 +30,18 @@ full, a rank that never copied) fails that promotion only: it is logged with bot
 complete and usable. Not guaranteed: the fast tier's files are not re-verified before the copy
 (``verify_checkpoint`` on either tier checks checksums); with several ranks, saving again to a
 checkpoint name whose earlier promotion has not ended on every rank (a rank's own promotion
-removes its stale manifest first, but the coordinator may already have seen it).
+removes its stale manifest first, but the coordinator may already have seen it); two
+*processes* (two jobs) promoting the same name into one persistent root (within one process, a
+second writer's promotion of a name another writer is copying fails with :class:`PersistError`).
+
+Retention, per tier (after each promotion, on the promotion thread): ``persist_retention`` is
+``prune`` of the persistent root by the coordinator after each commit there (complete
+checkpoints only; ``latest`` kept). ``fast_retention`` is applied by every rank to its fast root:
+the policy counts every checkpoint directory there, and one it drops is deleted only when it is
+*persisted* (committed there by this writer, complete on the persistent tier, or absent there
+while a newer one is complete: dropped by ``persist_retention``); never a checkpoint queued,
+being copied or whose copy failed, nor one whose persistent copy is partial. A failed copy thus
+keeps its fast checkpoint until it is saved and promoted again or deleted by hand.
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).

@@ -483,3 +483,23 @@ def test_two_writers_promoting_into_one_persistent_name(
             release.set()
         assert wa.wait_persisted(timeout=HANG_S)
     assert_state_equal(sa, load_local(slow / "step-1", sa))
+
+
+def test_persistent_retention_on_s3(fast: Path, s3: S3Bucket) -> None:
+    url = s3.url("run")
+    states = [state(40 + i) for i in range(3)]
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options,
+        persist_retention=1,
+    ) as w:
+        for i, sd in enumerate(states):
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / f"step-{i}")).result(
+                HANG_S
+            )
+        assert w.wait_persisted(timeout=HANG_S)
+    infos = remote.list_checkpoints(url, storage_options=s3.storage_options)
+    assert [(i.name, i.complete) for i in infos] == [("step-2", True)]
+    assert _steps(fast) == ["step-0", "step-1", "step-2"]  # no fast_retention: all kept
+    out = zeros_like_state(states[2])
+    dcp.load(out, storage_reader=FsspecReader(url + "/step-2", **s3.storage_options))
+    assert_state_equal(states[2], out)
