@@ -42,6 +42,9 @@ the policy counts every checkpoint directory there, and one it drops is deleted 
 while a newer one is complete: dropped by ``persist_retention``); never a checkpoint queued,
 being copied or whose copy failed, nor one whose persistent copy is partial. A failed copy thus
 keeps its fast checkpoint until it is saved and promoted again or deleted by hand.
+Not covered by the directory locks: a rank of node-local fast tiers (no lock of its own on its
+directory) re-saving an older step name that ``fast_retention`` drops and whose persistent copy
+is complete: its deletion may race the new save's writes (that save or its copy then fails).
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).

@@ -90,7 +90,9 @@ def test_local_slow_tier_commit_latest_and_resume(fast: Path, tmp_path: Path) ->
     # `latest` per tier, and the resume rule: the fast tier when it has the newest checkpoint.
     assert latest_complete(fast) == fast / "step-2" and latest_complete(slow) == slow / "step-2"
     assert resume_path(fast, slow) == str(fast / "step-2")
-    shutil.rmtree(fast / "step-2")  # the fast copy of the newest is lost: the slow one is used
+    (fast / "step-2" / METADATA_FILE).unlink()  # the fast copy is partial: the slow one is used
+    assert resume_path(fast, slow) == str(slow / "step-2")
+    shutil.rmtree(fast / "step-2")  # the fast copy of the newest is lost
     assert resume_path(fast, slow) == str(slow / "step-2")
     shutil.rmtree(fast)  # a node replacement wipes the fast tier
     assert resume_path(fast, slow) == str(slow / "step-2")
