@@ -39,12 +39,15 @@ Retention, per tier (after each promotion, on the promotion thread): ``persist_r
 checkpoints only; ``latest`` kept). ``fast_retention`` is applied by every rank to its fast root:
 the policy counts every checkpoint directory there, and one it drops is deleted only when it is
 *persisted* (committed there by this writer, complete on the persistent tier, or absent there
-while a newer one is complete: dropped by ``persist_retention``); never a checkpoint queued,
-being copied or whose copy failed, nor one whose persistent copy is partial. A failed copy thus
-keeps its fast checkpoint until it is saved and promoted again or deleted by hand.
+while a newer one is complete and ``persist_retention`` would drop it there); never a checkpoint
+queued, being copied, being saved by this process (its path claim) or whose copy failed, nor one
+whose persistent copy is partial, nor one absent there without ``persist_retention`` to explain
+it (never copied: the fast copy may be the only one). A failed copy thus keeps its fast
+checkpoint until it is saved and promoted again or deleted by hand.
 Not covered by the directory locks: a rank of node-local fast tiers (no lock of its own on its
-directory) re-saving an older step name that ``fast_retention`` drops and whose persistent copy
-is complete: its deletion may race the new save's writes (that save or its copy then fails).
+directory, no path claim) re-saving an older step name that ``fast_retention`` drops and whose
+persistent copy is complete: its deletion may race the new save's writes (that save or its copy
+then fails).
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
@@ -81,7 +84,7 @@ from .checkpoints import (
     prune,
     update_latest,
 )
-from .commit import manifest_name
+from .commit import claimed_paths, manifest_name
 from .errors import DataStatesError
 from .refs import lock_shared, unlock
 
@@ -140,6 +143,7 @@ class Promotion:
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PRIVATE}
+        d["pruned"] = list(self.pruned)  # a copy: the promotion thread may still extend it
         d["persist_s"] = self.t_done - self.t_submit
         return d
 
@@ -544,9 +548,10 @@ class Promoter:
         (complete ones, and the partial-looking ones a rank of node-local tiers holds). A
         directory the policy drops is deleted only if it is *persisted*: committed on the
         persistent tier by this writer's coordinator, complete there, or absent there while a
-        newer checkpoint is complete there (dropped by the persistent tier's retention). Never
-        deleted: a checkpoint this writer has queued, is copying or failed to copy, one whose
-        persistent copy is partial, the fast tier's ``latest``, one another process holds
+        newer checkpoint is complete there and ``persist_retention`` would drop it among those
+        (dropped by the persistent tier's retention). Never deleted: a checkpoint this writer
+        has queued, is copying or failed to copy, one a save of this process has claimed, one
+        whose persistent copy is partial, the fast tier's ``latest``, one another process holds
         (a save or a promotion in flight: the directory lock).
         """
         assert self.fast_policy is not None
@@ -556,6 +561,9 @@ class Promoter:
             newest = self._newest()
             queued = {r.source for r in self._open if r is not current}
         held = {src for src, r in newest.items() if r.error} | queued
+        # Saves of this process in flight (claimed until their promotion is queued): a name
+        # saved again is not persisted on the strength of its previous contents' promotion.
+        saving = claimed_paths()
         committed = {
             src
             for src, r in newest.items()
@@ -566,10 +574,8 @@ class Promoter:
         except Exception as e:  # noqa: BLE001 - the tier is down: rely on this writer's records
             logger.warning("cannot list %s for the fast tier's retention: %s", self.slow.root, e)
             on_slow = {}
-        slow_newest = max(
-            (s for n, ok in on_slow.items() if ok and (s := parse_step(n)) is not None),
-            default=None,
-        )
+        slow_steps = {s for n, ok in on_slow.items() if ok and (s := parse_step(n)) is not None}
+        slow_newest = max(slow_steps, default=None)
         infos = [
             i for i in list_checkpoints(self.fast_root) if i.state is not CheckpointState.UNKNOWN
         ]
@@ -580,8 +586,17 @@ class Promoter:
             path = str(info.path)
             if info.step in kept or path in held or info.path == latest:
                 continue
+            if os.path.realpath(path) in saving:
+                continue
+            # Absent there is "dropped there" only if persist_retention would drop it among the
+            # complete ones there: else it was never copied (saved before persist_to, a crash
+            # before its promotion) and the fast copy may be the only one.
             dropped_there = (
-                info.name not in on_slow and slow_newest is not None and slow_newest > info.step
+                info.name not in on_slow
+                and slow_newest is not None
+                and slow_newest > info.step
+                and self.slow_policy is not None
+                and info.step not in self.slow_policy.kept_steps(slow_steps | {info.step})
             )
             persisted = path in committed or on_slow.get(info.name) is True or dropped_there
             if persisted and _remove_checkpoint_dir(info.path, info.state):

@@ -435,7 +435,10 @@ def test_fast_retention_of_a_rank_with_a_node_local_tier(fast: Path, tmp_path: P
     (slow / "step-0" / INCOMPLETE_MARKER).write_bytes(b"")  # rank 0's copy failed
     (slow / "step-2").mkdir()
     (slow / "step-2" / METADATA_FILE).write_bytes(b"x")  # complete; step-1 was dropped there
-    p = tiers.Promoter(str(fast), str(slow), fast_retention=1, timeout_s=HANG_S)
+    # (every rank is given the same options: persist_retention explains step-1's absence)
+    p = tiers.Promoter(
+        str(fast), str(slow), fast_retention=1, persist_retention=1, timeout_s=HANG_S
+    )
     try:
         p.submit(str(fast / "step-3"), rank=1, world_size=2, coordinator=False)
         assert p.wait(timeout=HANG_S)
@@ -505,3 +508,67 @@ def test_persistent_retention_on_s3(fast: Path, s3: S3Bucket) -> None:
     out = zeros_like_state(states[2])
     dcp.load(out, storage_reader=FsspecReader(url + "/step-2", **s3.storage_options))
     assert_state_equal(states[2], out)
+
+
+def test_fast_retention_keeps_a_checkpoint_never_persisted(fast: Path, tmp_path: Path) -> None:
+    # step-1 was saved without persist_to (or its copy never ran: a crash before it): its only
+    # copy is the fast one. Without persist_retention nothing was ever dropped from the
+    # persistent tier, so its absence there says nothing: fast_retention keeps it.
+    slow = tmp_path / "slow"
+    s1 = state(50)
+    with DataStatesWriter(fast, host_cache_size="8MiB") as w:
+        dcp.async_save(s1, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1
+    ) as w:
+        for i in (2, 3):
+            dcp.async_save(state(50 + i), storage_writer=w,
+                           checkpoint_id=str(fast / f"step-{i}")).result(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+    assert _steps(slow) == ["step-2", "step-3"]
+    assert _steps(fast) == ["step-1", "step-3"]  # step-2 is persisted, step-1 is not
+    assert_state_equal(s1, load_local(fast / "step-1", s1))
+    # With persist_retention, a step that policy drops anyway may go from the fast tier too.
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1,
+        persist_retention=2,
+    ) as w:
+        dcp.async_save(state(54), storage_writer=w,
+                       checkpoint_id=str(fast / "step-4")).result(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+    assert _steps(slow) == ["step-3", "step-4"] and _steps(fast) == ["step-4"]
+
+
+def test_fast_retention_skips_a_checkpoint_being_saved_again(fast: Path, tmp_path: Path) -> None:
+    # A save of an older name in this process (claimed, committed, not yet queued for its
+    # promotion) is not deleted on the strength of the promotion of its previous contents.
+    from dcp_datastates import tiers
+    from dcp_datastates.commit import claim_path, release_path
+
+    slow = tmp_path / "slow"
+    for step in (1, 2, 3):
+        d = fast / f"step-{step}"
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(bytes([step]) * 100)
+        (d / "__datastates_manifest_0.json").write_text("{}")
+        (d / METADATA_FILE).write_bytes(b"x")
+    first = tiers.Promoter(str(fast), str(slow), timeout_s=HANG_S)  # no fast_retention
+    try:
+        for step in (1, 2):
+            first.submit(str(fast / f"step-{step}"), rank=0, world_size=1, coordinator=True)
+        assert first.wait(timeout=HANG_S)
+    finally:
+        first.close(timeout=HANG_S)
+    p = tiers.Promoter(str(fast), str(slow), fast_retention=1, timeout_s=HANG_S)
+    try:
+        key = os.path.realpath(fast / "step-1")
+        claim_path(key)  # step-1 is being saved again (its new contents are not persisted)
+        try:
+            p.submit(str(fast / "step-3"), rank=0, world_size=1, coordinator=True)
+            assert p.wait(timeout=HANG_S)
+        finally:
+            release_path(key)
+        assert p.records()[-1]["pruned"] == [str(fast / "step-2")]
+        assert _steps(fast) == ["step-1", "step-3"]
+    finally:
+        p.close(timeout=HANG_S)
