@@ -30,7 +30,24 @@ full, a rank that never copied) fails that promotion only: it is logged with bot
 complete and usable. Not guaranteed: the fast tier's files are not re-verified before the copy
 (``verify_checkpoint`` on either tier checks checksums); with several ranks, saving again to a
 checkpoint name whose earlier promotion has not ended on every rank (a rank's own promotion
-removes its stale manifest first, but the coordinator may already have seen it).
+removes its stale manifest first, but the coordinator may already have seen it); two
+*processes* (two jobs) promoting the same name into one persistent root (within one process, a
+second writer's promotion of a name another writer is copying fails with :class:`PersistError`).
+
+Retention, per tier (after each promotion, on the promotion thread): ``persist_retention`` is
+``prune`` of the persistent root by the coordinator after each commit there (complete
+checkpoints only; ``latest`` kept). ``fast_retention`` is applied by every rank to its fast root:
+the policy counts every checkpoint directory there, and one it drops is deleted only when it is
+*persisted* (committed there by this writer, complete on the persistent tier, or absent there
+while a newer one is complete and ``persist_retention`` would drop it there); never a checkpoint
+queued, being copied, being saved by this process (its path claim) or whose copy failed, nor one
+whose persistent copy is partial, nor one absent there without ``persist_retention`` to explain
+it (never copied: the fast copy may be the only one). A failed copy thus keeps its fast
+checkpoint until it is saved and promoted again or deleted by hand.
+Not covered by the directory locks: a rank of node-local fast tiers (no lock of its own on its
+directory, no path claim) re-saving an older step name that ``fast_retention`` drops and whose
+persistent copy is complete: its deletion may race the new save's writes (that save or its copy
+then fails).
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
@@ -58,12 +75,16 @@ from typing import Any
 from .checkpoints import (
     INCOMPLETE_MARKER,
     METADATA_FILE,
+    CheckpointState,
+    RetentionPolicy,
+    _remove_checkpoint_dir,
     latest_complete,
     list_checkpoints,
     parse_step,
+    prune,
     update_latest,
 )
-from .commit import manifest_name
+from .commit import claimed_paths, manifest_name
 from .errors import DataStatesError
 from .refs import lock_shared, unlock
 
@@ -82,6 +103,26 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def as_policy(value: RetentionPolicy | int | None, what: str) -> RetentionPolicy | None:
+    """A tier's retention option: None (keep everything), an int (``keep_last``) or a
+    :class:`~dcp_datastates.checkpoints.RetentionPolicy`; anything else is a clear error."""
+    if value is None or isinstance(value, RetentionPolicy):
+        return None if value is None or value.keeps_everything else value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{what} must be None, an int (keep_last) or a RetentionPolicy, got {value!r}"
+        )
+    if value < 1:
+        raise ValueError(f"{what} must keep at least 1 checkpoint, got {value!r}")
+    return RetentionPolicy(keep_last=value)
+
+
+# (persistent target, rank) -> the promoter copying it now: two writers of one process copying
+# into the same persistent checkpoint would mix their files under one .metadata.
+_active: dict[tuple[str, int], int] = {}
+_active_lock = threading.Lock()
+
+
 @dataclass
 class Promotion:
     """One rank's promotion of one checkpoint (``Promoter.records`` returns them as dicts)."""
@@ -95,11 +136,14 @@ class Promotion:
     t_done: float = math.nan
     bytes: int = 0
     error: str | None = None
+    pruned: list[str] = field(default_factory=list)  # deleted by the tiers' retention after it
+    retention_error: str | None = None
     reported: bool = False
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PRIVATE}
+        d["pruned"] = list(self.pruned)  # a copy: the promotion thread may still extend it
         d["persist_s"] = self.t_done - self.t_submit
         return d
 
@@ -207,6 +251,26 @@ class _Slow:
         finally:
             os.close(fd)
 
+    def prune(self, policy: RetentionPolicy) -> list[str]:
+        """Applies the persistent tier's retention; returns what it deleted."""
+        if self.remote:
+            from .remote import prune as remote_prune
+
+            return remote_prune(self.root, policy, storage_options=self.storage_options or None)
+        if not os.path.isdir(self.root):
+            return []
+        return [str(x) for x in prune(self.root, policy)]
+
+    def complete_steps(self) -> dict[str, bool]:
+        """Checkpoint name -> complete?, for the step-named checkpoints of the tier's root."""
+        if self.remote:
+            from .remote import list_checkpoints as remote_list
+
+            infos: list[Any] = remote_list(self.root, storage_options=self.storage_options or None)
+        else:
+            infos = list_checkpoints(self.root) if os.path.isdir(self.root) else []
+        return {i.name: bool(i.complete) for i in infos}
+
     def point_latest(self, name: str) -> None:
         if self.remote:
             from .remote import update_latest as remote_update_latest
@@ -225,6 +289,10 @@ class Promoter:
         storage_options: fsspec options of ``slow_root``.
         timeout_s: how long the coordinator waits for the other ranks' files on the slow tier.
         durable: fsync what is written to a local slow tier.
+        fast_retention: retention of the fast tier (see :meth:`_prune_fast`), applied by every
+            rank to ``fast_root`` after each of its promotions; None keeps everything.
+        persist_retention: retention of the persistent tier (``prune`` semantics), applied by
+            the coordinator after each checkpoint it committed there; None keeps everything.
     """
 
     def __init__(
@@ -234,6 +302,8 @@ class Promoter:
         storage_options: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
         durable: bool = True,
+        fast_retention: RetentionPolicy | int | None = None,
+        persist_retention: RetentionPolicy | int | None = None,
     ) -> None:
         if not fast_root or is_url(fast_root):
             raise ValueError(
@@ -251,6 +321,8 @@ class Promoter:
         ):
             raise ValueError(f"persist_to {slow_root!r} is the writer's own path")
         self.timeout_s = float(timeout_s)
+        self.fast_policy = as_policy(fast_retention, "fast_retention")
+        self.slow_policy = as_policy(persist_retention, "persist_retention")
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._queue: queue.Queue[Promotion | None] = queue.Queue()
@@ -326,8 +398,13 @@ class Promoter:
         ``exclude=`` to ``prune``/``cleanup_incomplete`` of the fast tier."""
         with self._lock:
             return sorted(
-                {p.source for p in self._records if p.error or not p.done.is_set()}
+                src for src, p in self._newest().items() if p.error or not p.done.is_set()
             )
+
+    def _newest(self) -> dict[str, Promotion]:
+        """The newest promotion of each fast checkpoint (a failed copy saved and promoted again
+        counts as promoted). Caller holds ``_lock``."""
+        return {p.source: p for p in self._records}
 
     def records(self) -> list[dict[str, Any]]:
         """Every recent promotion of this rank, oldest first (``persist_s``, ``error``...)."""
@@ -371,6 +448,13 @@ class Promoter:
             except BaseException as e:  # noqa: BLE001 - reported through the record
                 p.error = f"{p.source} -> {p.target} (rank {p.rank}): {type(e).__name__}: {e}"
                 logger.error("promotion failed: %s; the fast checkpoint is kept", p.error)
+            try:
+                self._retain(p)
+            except Exception as e:  # noqa: BLE001 - retention never fails the promotion
+                p.retention_error = f"{type(e).__name__}: {e}"
+                logger.warning(
+                    "retention after the promotion of %s failed: %s", p.source, p.retention_error
+                )
             finally:
                 p.t_done = time.perf_counter()
                 with self._lock:
@@ -379,6 +463,21 @@ class Promoter:
                 p.done.set()
 
     def _promote(self, p: Promotion) -> int:
+        key = (p.target, p.rank)
+        with _active_lock:
+            if _active.setdefault(key, id(self)) != id(self):
+                raise PersistError(
+                    f"{p.target} (rank {p.rank}) is being promoted by another writer of this "
+                    "process: the two copies would mix under one .metadata; give the writers "
+                    "distinct checkpoint names or persistent roots"
+                )
+        try:
+            return self._promote_claimed(p)
+        finally:
+            with _active_lock:
+                _active.pop(key, None)
+
+    def _promote_claimed(self, p: Promotion) -> int:
         rel = self.relative(p.source)
         fd = lock_shared(p.source)  # fast-tier prune/cleanup skip it while it is copied
         if fd is None:
@@ -433,6 +532,96 @@ class Promoter:
             return total
         finally:
             unlock(fd)
+
+    # -- retention (the promotion thread, after each promotion) ----------------------------------
+    def _retain(self, p: Promotion) -> None:
+        top = "/" not in self.relative(p.source)  # retention sees the roots' direct children
+        if self.slow_policy is not None and p.error is None and p.coordinator and top:
+            p.pruned += self.slow.prune(self.slow_policy)
+        if self.fast_policy is not None:
+            p.pruned += self._prune_fast(p)
+
+    def _prune_fast(self, current: Promotion) -> list[str]:
+        """Applies ``fast_retention`` to the fast root; returns the deleted directories.
+
+        The policy is applied to the steps of every checkpoint directory of the fast root
+        (complete ones, and the partial-looking ones a rank of node-local tiers holds). A
+        directory the policy drops is deleted only if it is *persisted*: committed on the
+        persistent tier by this writer's coordinator, complete there, or absent there while a
+        newer checkpoint is complete there and ``persist_retention`` would drop it among those
+        (dropped by the persistent tier's retention). Never deleted: a checkpoint this writer
+        has queued, is copying or failed to copy, one a save of this process has claimed, one
+        whose persistent copy is partial, the fast tier's ``latest``, one another process holds
+        (a save or a promotion in flight: the directory lock).
+        """
+        assert self.fast_policy is not None
+        if not os.path.isdir(self.fast_root):
+            return []
+        with self._lock:
+            newest = self._newest()
+            queued = {r.source for r in self._open if r is not current}
+        held = {src for src, r in newest.items() if r.error} | queued
+        # Saves of this process in flight (claimed until their promotion is queued): a name
+        # saved again is not persisted on the strength of its previous contents' promotion.
+        saving = claimed_paths()
+        committed = {
+            src
+            for src, r in newest.items()
+            if r.coordinator and r.error is None and (r.done.is_set() or r is current)
+        }
+        try:
+            on_slow = self.slow.complete_steps()
+        except Exception as e:  # noqa: BLE001 - the tier is down: rely on this writer's records
+            logger.warning("cannot list %s for the fast tier's retention: %s", self.slow.root, e)
+            on_slow = {}
+        slow_steps = {s for n, ok in on_slow.items() if ok and (s := parse_step(n)) is not None}
+        slow_newest = max(slow_steps, default=None)
+        infos = [
+            i for i in list_checkpoints(self.fast_root) if i.state is not CheckpointState.UNKNOWN
+        ]
+        kept = self.fast_policy.kept_steps(i.step for i in infos)
+        latest = latest_complete(self.fast_root)
+        removed: list[str] = []
+        for info in infos:
+            path = str(info.path)
+            if info.step in kept or path in held or info.path == latest:
+                continue
+            if os.path.realpath(path) in saving:
+                continue
+            # Absent there is "dropped there" only if persist_retention would drop it among the
+            # complete ones there: else it was never copied (saved before persist_to, a crash
+            # before its promotion) and the fast copy may be the only one.
+            dropped_there = (
+                info.name not in on_slow
+                and slow_newest is not None
+                and slow_newest > info.step
+                and self.slow_policy is not None
+                and info.step not in self.slow_policy.kept_steps(slow_steps | {info.step})
+            )
+            persisted = path in committed or on_slow.get(info.name) is True or dropped_there
+            if persisted and _remove_checkpoint_dir(info.path, info.state):
+                removed.append(path)
+        return removed
+
+
+def attach_persist_stats(stats: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+    """Adds ``persist_state``/``persist_s``/``persist_error`` to save-stats dicts (in place):
+    each successful save gets the first unused promotion of its checkpoint submitted after the
+    save started (both lists oldest first)."""
+    used: set[int] = set()
+    for s in stats:
+        s.update(persist_state=None, persist_s=math.nan, persist_error=None)
+        if s.get("error") is not None:
+            continue
+        src = os.path.abspath(str(s["checkpoint_id"]))
+        for i, r in enumerate(records):
+            if i in used or r["source"] != src or not r["t_submit"] >= s["t_stage"]:
+                continue
+            used.add(i)
+            finished = not math.isnan(r["t_done"])
+            state = "failed" if r["error"] else "done" if finished else "pending"
+            s.update(persist_state=state, persist_s=r["persist_s"], persist_error=r["error"])
+            break
 
 
 def resume_path(

@@ -86,6 +86,7 @@ from torch.futures import Future
 
 from . import barrier
 from .capture import SaveJob, Stager
+from .checkpoints import RetentionPolicy
 from .commit import METADATA_FILE, CheckpointDir
 from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
@@ -104,7 +105,7 @@ from .jobs import (
 )
 from .layout import TemplateCache
 from .placement import Placer
-from .tiers import Promoter
+from .tiers import Promoter, attach_persist_stats
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +212,13 @@ class DataStatesWriter(StorageWriter):
         persist_storage_options: fsspec options of ``persist_to``.
         persist_timeout: seconds the coordinator waits for the other ranks' files on the
             persistent tier before it declares that copy failed.
+        persist_retention: retention of the persistent tier, applied by rank 0 after each
+            checkpoint committed there: an int (``keep_last``) or a ``RetentionPolicy``
+            (``prune`` semantics); None (default) keeps everything.
+        fast_retention: retention of the fast tier, applied by every rank to ``path`` after
+            each promotion: an int or a ``RetentionPolicy``; a checkpoint is deleted only once
+            it is on the persistent tier (never one in flight or whose copy failed); None
+            (default) keeps everything. Both need ``persist_to``.
 
     Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
     is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
@@ -247,6 +255,8 @@ class DataStatesWriter(StorageWriter):
         persist_to: str | os.PathLike[str] | None = None,
         persist_storage_options: dict[str, Any] | None = None,
         persist_timeout: float = 600.0,
+        persist_retention: RetentionPolicy | int | None = None,
+        fast_retention: RetentionPolicy | int | None = None,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -291,7 +301,13 @@ class DataStatesWriter(StorageWriter):
                 )
             self._promoter = Promoter(
                 self.path, os.fspath(persist_to), persist_storage_options, persist_timeout,
-                durable=self.config.durable,
+                durable=self.config.durable, fast_retention=fast_retention,
+                persist_retention=persist_retention,
+            )
+        elif persist_retention is not None or fast_retention is not None:
+            raise ValueError(
+                "persist_retention and fast_retention need persist_to (without a persistent "
+                "tier, prune with dcp_datastates.checkpoints.prune)"
             )
         self._engine = Engine(self.config)
         if pin_memory or (pin_memory is None and torch.cuda.is_available()):
@@ -389,6 +405,9 @@ class DataStatesWriter(StorageWriter):
         Then raises the error of a failed save that nobody has seen yet (not read from its
         future, not raised by a barrier or an earlier ``wait``), once: a loop that never looks
         at the futures of the plain call still learns of a failed save here.
+
+        With ``persist_to`` it does not wait for the copies to the persistent tier (those never
+        delay training): :meth:`wait_persisted` does, and raises their failures.
         """
         if not self._wait_idle(timeout):
             return False
@@ -420,10 +439,17 @@ class DataStatesWriter(StorageWriter):
         return [] if self._promoter is None else self._promoter.unpersisted()
 
     def save_stats(self) -> list[dict[str, Any]]:
-        """Telemetry of the recent saves on this rank (oldest first), as dicts (see SaveStats)."""
+        """Telemetry of the recent saves on this rank (oldest first), as dicts (see SaveStats).
+
+        With ``persist_to`` each dict also has ``persist_state`` ("pending", "done", "failed",
+        or None when the save was not promoted), ``persist_s`` (submit to end of the copy,
+        NaN until then) and ``persist_error``, from :meth:`persist_stats`."""
         self._check_owner()
         with self._lock:
-            return [s.as_dict() for s in self._table.stats]
+            out = [s.as_dict() for s in self._table.stats]
+        if self._promoter is not None:
+            attach_persist_stats(out, self._promoter.records())
+        return out
 
     def engine_counters(self) -> dict[str, int]:
         """Host cache use, live jobs, open files and queue lengths (for monitoring and tests)."""
@@ -436,6 +462,9 @@ class DataStatesWriter(StorageWriter):
 
     def close(self) -> None:
         """Waits for saves in flight, then stops the engine and frees the host cache.
+
+        With ``persist_to`` it also waits for every copy to the persistent tier already queued
+        (their failures are logged, not raised; call :meth:`wait_persisted` first to get them).
 
         Idempotent. In a forked child it only marks this process's view of the writer closed:
         the engine belongs to the parent and is neither waited for, joined nor freed here.

@@ -90,7 +90,9 @@ def test_local_slow_tier_commit_latest_and_resume(fast: Path, tmp_path: Path) ->
     # `latest` per tier, and the resume rule: the fast tier when it has the newest checkpoint.
     assert latest_complete(fast) == fast / "step-2" and latest_complete(slow) == slow / "step-2"
     assert resume_path(fast, slow) == str(fast / "step-2")
-    shutil.rmtree(fast / "step-2")  # the fast copy of the newest is lost: the slow one is used
+    (fast / "step-2" / METADATA_FILE).unlink()  # the fast copy is partial: the slow one is used
+    assert resume_path(fast, slow) == str(slow / "step-2")
+    shutil.rmtree(fast / "step-2")  # the fast copy of the newest is lost
     assert resume_path(fast, slow) == str(slow / "step-2")
     shutil.rmtree(fast)  # a node replacement wipes the fast tier
     assert resume_path(fast, slow) == str(slow / "step-2")
@@ -210,6 +212,14 @@ def test_bad_configurations_are_clear_errors(fast: Path, tmp_path: Path) -> None
         DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(fast))
     with pytest.raises(ValueError, match="persist_timeout"):
         DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path), persist_timeout=0)
+    with pytest.raises(ValueError, match="need persist_to"):
+        DataStatesWriter(fast, host_cache_size="8MiB", fast_retention=2)
+    with pytest.raises(ValueError, match="persist_retention must keep at least 1"):
+        DataStatesWriter(
+            fast, host_cache_size="8MiB", persist_to=str(tmp_path), persist_retention=0
+        )
+    with pytest.raises(TypeError, match="fast_retention must be None, an int"):
+        DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path), fast_retention="2")
     with DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path / "s")) as w:
         with pytest.raises(BaseException, match="not inside the writer.s path"):
             dcp.save(state(0), storage_writer=w, checkpoint_id=str(tmp_path / "elsewhere"))
@@ -331,3 +341,234 @@ def test_a_dropped_writer_neither_hangs_the_exit_nor_loses_the_copy(
     assert r.returncode == 0 and "SAVED" in r.stdout, r.stderr[-3000:]
     assert (slow / "step-3" / METADATA_FILE).exists()
     assert latest_complete(slow) == slow / "step-3"
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) if root.exists() \
+        else []
+
+
+def test_retention_per_tier(fast: Path, tmp_path: Path) -> None:
+    slow = tmp_path / "slow"
+    states = [state(10 + i) for i in range(4)]
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1,
+        persist_retention=RetentionPolicy(keep_last=2),
+    ) as w:
+        for i, sd in enumerate(states):
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / f"step-{i}")).result(
+                HANG_S
+            )
+        assert w.wait_persisted(timeout=HANG_S)
+        stats = w.save_stats()
+        recs = w.persist_stats()
+    # Each save's stats say where its copy stands; the records say what retention deleted.
+    assert [s["persist_state"] for s in stats] == ["done"] * 4
+    assert all(s["persist_error"] is None and s["persist_s"] >= 0 for s in stats)
+    pruned = [p for r in recs for p in r["pruned"]]
+    assert str(slow / "step-0") in pruned and str(fast / "step-2") in pruned
+    assert _steps(fast) == ["step-3"] and _steps(slow) == ["step-2", "step-3"]
+    assert latest_complete(fast) == fast / "step-3" and latest_complete(slow) == slow / "step-3"
+    for root, kept in ((fast, [3]), (slow, [2, 3])):
+        for i in kept:
+            assert_state_equal(states[i], load_local(root / f"step-{i}", states[i]))
+
+
+def test_fast_retention_keeps_a_checkpoint_whose_copy_failed(
+    fast: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_datastates import tiers
+
+    slow = tmp_path / "slow"
+    orig = tiers._Slow.copy_file
+    fail = {"step-1"}
+
+    def copy_file(self: Any, src: str, rel: str, atomic: bool = False) -> int:
+        if rel.split("/")[0] in fail:
+            raise PermissionError(13, "Permission denied", self.url(rel))
+        return orig(self, src, rel, atomic)
+
+    monkeypatch.setattr(tiers._Slow, "copy_file", copy_file)
+    states = {i: state(20 + i) for i in range(4)}
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1
+    ) as w:
+        for i in (0, 1, 2, 3):
+            dcp.async_save(states[i], storage_writer=w,
+                           checkpoint_id=str(fast / f"step-{i}")).result(HANG_S)
+        with pytest.raises(PersistError, match="Permission denied"):
+            w.wait_persisted(timeout=HANG_S)
+        assert w.unpersisted() == [str(fast / "step-1")]
+        assert [s["persist_state"] for s in w.save_stats()] == ["done", "failed", "done", "done"]
+        # The only complete copy of step-1 is the fast one: retention keeps it.
+        assert _steps(fast) == ["step-1", "step-3"]
+        assert_state_equal(states[1], load_local(fast / "step-1", states[1]))
+        assert [i.name for i in list_checkpoints(slow) if i.complete] == [
+            "step-0", "step-2", "step-3"
+        ]
+        # Saved again and promoted this time: no longer held back, and retention may go on.
+        fail.clear()
+        dcp.async_save(states[1], storage_writer=w,
+                       checkpoint_id=str(fast / "step-1")).result(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+        assert w.unpersisted() == []
+    assert (slow / "step-1" / METADATA_FILE).exists()
+    assert _steps(fast) == ["step-1", "step-3"]  # step-1 is `latest` now; nothing else is older
+
+
+def test_fast_retention_of_a_rank_with_a_node_local_tier(fast: Path, tmp_path: Path) -> None:
+    # Rank 1 of node-local fast tiers holds its own files and no .metadata. It deletes its copy
+    # only once the checkpoint is complete on the persistent tier, or gone from there while a
+    # newer one is complete (the persistent tier's retention dropped it); never a copy whose
+    # persistent counterpart is partial (a promotion that failed on rank 0).
+    from dcp_datastates import tiers
+    from dcp_datastates.commit import manifest_name
+
+    slow = tmp_path / "slow"
+    for step in range(5):
+        d = fast / f"step-{step}"
+        d.mkdir()
+        (d / "__1_0.distcp").write_bytes(bytes([step]) * 1000)
+        (d / manifest_name(1)).write_text("{}")
+        (d / INCOMPLETE_MARKER).write_bytes(b"")
+    (slow / "step-0").mkdir(parents=True)
+    (slow / "step-0" / INCOMPLETE_MARKER).write_bytes(b"")  # rank 0's copy failed
+    (slow / "step-2").mkdir()
+    (slow / "step-2" / METADATA_FILE).write_bytes(b"x")  # complete; step-1 was dropped there
+    # (every rank is given the same options: persist_retention explains step-1's absence)
+    p = tiers.Promoter(
+        str(fast), str(slow), fast_retention=1, persist_retention=1, timeout_s=HANG_S
+    )
+    try:
+        p.submit(str(fast / "step-3"), rank=1, world_size=2, coordinator=False)
+        assert p.wait(timeout=HANG_S)
+        assert p.records()[-1]["pruned"] == [str(fast / "step-1"), str(fast / "step-2")]
+        # step-3 is only copied (not committed yet), step-4 never promoted: both stay.
+        assert _steps(fast) == ["step-0", "step-3", "step-4"]
+        assert (slow / "step-3" / "__1_0.distcp").read_bytes() == bytes([3]) * 1000
+    finally:
+        p.close(timeout=HANG_S)
+
+
+def test_two_writers_promoting_into_one_persistent_name(
+    fast: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two writers of one process with different fast tiers and the same persistent root both
+    # save "step-1": the second copy would mix its files with the first's under one .metadata.
+    import threading
+
+    from dcp_datastates import tiers
+
+    slow = tmp_path / "slow"
+    fa, fb = fast / "a", fast / "b"
+    fa.mkdir()
+    fb.mkdir()
+    orig = tiers._Slow.copy_file
+    entered, release = threading.Event(), threading.Event()
+
+    def copy_file(self: Any, src: str, rel: str, atomic: bool = False) -> int:
+        if src.startswith(str(fa)):  # writer A's copy stalls (a slow tier) in its first file
+            entered.set()
+            assert release.wait(HANG_S)
+        return orig(self, src, rel, atomic)
+
+    monkeypatch.setattr(tiers._Slow, "copy_file", copy_file)
+    sa, sb = state(31), state(32)
+    with DataStatesWriter(fa, host_cache_size="8MiB", persist_to=str(slow)) as wa, \
+            DataStatesWriter(fb, host_cache_size="8MiB", persist_to=str(slow)) as wb:
+        dcp.async_save(sa, storage_writer=wa, checkpoint_id=str(fa / "step-1")).result(HANG_S)
+        assert entered.wait(HANG_S)
+        try:
+            dcp.async_save(sb, storage_writer=wb, checkpoint_id=str(fb / "step-1")).result(
+                HANG_S
+            )
+            with pytest.raises(PersistError, match="another writer of this process"):
+                wb.wait_persisted(timeout=HANG_S)
+        finally:
+            release.set()
+        assert wa.wait_persisted(timeout=HANG_S)
+    assert_state_equal(sa, load_local(slow / "step-1", sa))
+
+
+def test_persistent_retention_on_s3(fast: Path, s3: S3Bucket) -> None:
+    url = s3.url("run")
+    states = [state(40 + i) for i in range(3)]
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options,
+        persist_retention=1,
+    ) as w:
+        for i, sd in enumerate(states):
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / f"step-{i}")).result(
+                HANG_S
+            )
+        assert w.wait_persisted(timeout=HANG_S)
+    infos = remote.list_checkpoints(url, storage_options=s3.storage_options)
+    assert [(i.name, i.complete) for i in infos] == [("step-2", True)]
+    assert _steps(fast) == ["step-0", "step-1", "step-2"]  # no fast_retention: all kept
+    out = zeros_like_state(states[2])
+    dcp.load(out, storage_reader=FsspecReader(url + "/step-2", **s3.storage_options))
+    assert_state_equal(states[2], out)
+
+
+def test_fast_retention_keeps_a_checkpoint_never_persisted(fast: Path, tmp_path: Path) -> None:
+    # step-1 was saved without persist_to (or its copy never ran: a crash before it): its only
+    # copy is the fast one. Without persist_retention nothing was ever dropped from the
+    # persistent tier, so its absence there says nothing: fast_retention keeps it.
+    slow = tmp_path / "slow"
+    s1 = state(50)
+    with DataStatesWriter(fast, host_cache_size="8MiB") as w:
+        dcp.async_save(s1, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1
+    ) as w:
+        for i in (2, 3):
+            dcp.async_save(state(50 + i), storage_writer=w,
+                           checkpoint_id=str(fast / f"step-{i}")).result(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+    assert _steps(slow) == ["step-2", "step-3"]
+    assert _steps(fast) == ["step-1", "step-3"]  # step-2 is persisted, step-1 is not
+    assert_state_equal(s1, load_local(fast / "step-1", s1))
+    # With persist_retention, a step that policy drops anyway may go from the fast tier too.
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1,
+        persist_retention=2,
+    ) as w:
+        dcp.async_save(state(54), storage_writer=w,
+                       checkpoint_id=str(fast / "step-4")).result(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+    assert _steps(slow) == ["step-3", "step-4"] and _steps(fast) == ["step-4"]
+
+
+def test_fast_retention_skips_a_checkpoint_being_saved_again(fast: Path, tmp_path: Path) -> None:
+    # A save of an older name in this process (claimed, committed, not yet queued for its
+    # promotion) is not deleted on the strength of the promotion of its previous contents.
+    from dcp_datastates import tiers
+    from dcp_datastates.commit import claim_path, release_path
+
+    slow = tmp_path / "slow"
+    for step in (1, 2, 3):
+        d = fast / f"step-{step}"
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(bytes([step]) * 100)
+        (d / "__datastates_manifest_0.json").write_text("{}")
+        (d / METADATA_FILE).write_bytes(b"x")
+    first = tiers.Promoter(str(fast), str(slow), timeout_s=HANG_S)  # no fast_retention
+    try:
+        for step in (1, 2):
+            first.submit(str(fast / f"step-{step}"), rank=0, world_size=1, coordinator=True)
+        assert first.wait(timeout=HANG_S)
+    finally:
+        first.close(timeout=HANG_S)
+    p = tiers.Promoter(str(fast), str(slow), fast_retention=1, timeout_s=HANG_S)
+    try:
+        key = os.path.realpath(fast / "step-1")
+        claim_path(key)  # step-1 is being saved again (its new contents are not persisted)
+        try:
+            p.submit(str(fast / "step-3"), rank=0, world_size=1, coordinator=True)
+            assert p.wait(timeout=HANG_S)
+        finally:
+            release_path(key)
+        assert p.records()[-1]["pruned"] == [str(fast / "step-2")]
+        assert _steps(fast) == ["step-1", "step-3"]
+    finally:
+        p.close(timeout=HANG_S)
