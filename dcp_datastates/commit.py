@@ -42,6 +42,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import fsspec
@@ -315,8 +316,10 @@ class CheckpointDir:
     def ensure_exists(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)
 
-    def write_atomic(self, name: str, data: bytes, durable: bool) -> None:
+    def write_atomic(self, name: str, data: bytes | Iterable[bytes], durable: bool) -> None:
         """Writes ``name`` via a temporary file, fsync and rename (then fsyncs the directory).
+
+        ``data`` may be an iterable of pieces (a manifest encoded as it is written).
 
         The temporary file is created afresh with ``O_EXCL | O_NOFOLLOW`` (a file or symlink
         left under its name is removed first, never followed). Raises OSError naming ``name``'s
@@ -335,7 +338,7 @@ class CheckpointDir:
                 )
                 try:
                     with os.fdopen(fd, "wb") as f:
-                        f.write(data)
+                        _write_all(f, data)
                         if durable:
                             f.flush()
                             os.fsync(f.fileno())
@@ -350,7 +353,7 @@ class CheckpointDir:
                     fsync_dir(self.path)
             else:
                 with self.fs.open(tmp, "wb") as f:
-                    f.write(data)
+                    _write_all(f, data)
                 if self.fs.exists(final):
                     self.fs.rm_file(final)
                 self.fs.mv(tmp, final)
@@ -377,6 +380,14 @@ class CheckpointDir:
                 fsync_dir(self.path)
         elif self.fs.exists(marker):
             self.fs.rm_file(marker)
+
+
+def _write_all(f: Any, data: bytes | Iterable[bytes]) -> None:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        f.write(data)
+        return
+    for piece in data:
+        f.write(piece)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -32,10 +32,12 @@ class ArchiveTemplate:
     prefix: bytes
     suffix: bytes
     payload_bytes: int
+    total_bytes: int = field(init=False)  # prefix + payload + suffix (read once per item)
 
-    @property
-    def total_bytes(self) -> int:
-        return len(self.prefix) + self.payload_bytes + len(self.suffix)
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "total_bytes", len(self.prefix) + self.payload_bytes + len(self.suffix)
+        )
 
 
 class _SparseFile(io.RawIOBase):

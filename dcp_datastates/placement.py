@@ -18,8 +18,10 @@ the writer then fails the job, which aborts its engine job and returns its cache
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ from .fsspec_sink import SinkItem, write_sequential
 from .gcpause import gc_paused
 from .incremental import StageInfo, Tracker
 from .layout import FileLayout, TemplateCache, data_file_name
-from .manifest import ItemRecord, RankManifest
+from .manifest import ItemRecord, encode_manifest
 from .safetensors_format import write_safetensors
 
 logger = logging.getLogger("dcp_datastates.writer")
@@ -167,7 +169,14 @@ class Placer:
         with gc_paused():  # per-item bookkeeping only, no waits (see dcp_datastates.gcpause)
             if job.adhoc:  # dcp.save: nothing was staged; register every tensor in one batch
                 added_late = self.capture_late_many(job, plan.items, planner)
-            for item in sorted(plan.items, key=order):
+                # Registered in plan order, all direct: that is the order; bytes items last.
+                keyed = job.by_staged_id
+                tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+                caps.update((id(i), keyed.get(id(i))) for i in tensors)
+                ordered = tensors + [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+            else:
+                ordered = sorted(plan.items, key=order)
+            for item in ordered:
                 if item.type == WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item)
                     raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
@@ -269,15 +278,22 @@ class Placer:
             Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
 
         with gc_paused():
-            manifest = self.manifest(ctx, job, placed, bytes_crcs, ext_records)
-            manifest.items += [rec for _, rec in referenced]
-            manifest_json = manifest.to_json().encode()
-        d.write_atomic(manifest_name(ctx.rank), manifest_json, self.config.durable)
+            chunks = self.chunk_map(job, ext_records)
+        recs = self.manifest_items(ctx, placed, bytes_crcs, chunks)
+        records: list[ItemRecord] | None = None
+        if self._incremental is not None:  # the records are kept for the tracker
+            with gc_paused():
+                records = list(recs) + [rec for _, rec in referenced]
+        # Without references the records and their text are made while they are written.
+        text = encode_manifest(ctx.rank, self.config.checksums, ctx.save_id,
+                               records if records is not None else recs)
+        d.write_atomic(manifest_name(ctx.rank), text, self.config.durable)
         if self._incremental is not None:
+            assert records is not None
             if d.local:
                 written = [
                     (cap.incr, rec)
-                    for (_i, cap, *_r), rec in zip(placed, manifest.items, strict=False)
+                    for (_i, cap, *_r), rec in zip(placed, records, strict=False)
                     if cap.incr is not None
                 ]
                 self._incremental.record(d.path, ctx.rank, ctx.save_id, written, referenced)
@@ -339,58 +355,62 @@ class Placer:
         job.rekey(cap, item)
         return cap
 
-    def manifest(
+    def chunk_map(
+        self, job: SaveJob, ext_records: list[tuple[int, int, int, int, int, int]]
+    ) -> dict[int, Any]:
+        """Entry -> its chunk record ``(file offset, bytes, crc)``, or a list of them when it has
+        several (most entries have one: no list per entry)."""
+        by_entry: dict[int, Any] = {}
+        recs = self._engine.chunk_records(job.engine_job)
+        flat = ((e, off, n, crc) for e, _c, _file, off, _eo, n, crc in recs)
+        ext = ((e, off, n, crc) for e, _c, _f, off, n, crc in ext_records)
+        for e, off, n, crc in itertools.chain(flat, ext):
+            prev = by_entry.get(e)
+            if prev is None:
+                by_entry[e] = (off, n, crc)  # the file is implied by the item's placement
+            elif isinstance(prev, tuple):
+                by_entry[e] = [prev, (off, n, crc)]
+            else:
+                prev.append((off, n, crc))
+        return by_entry
+
+    def manifest_items(
         self,
         ctx: SaveContext,
-        job: SaveJob,
         placed: list[tuple[WriteItem, CapturedTensor, int, int, int]],
         bytes_crcs: list[tuple[WriteItem, int, int, int, int]],
-        ext_records: list[tuple[int, int, int, int, int, int]],
-    ) -> RankManifest:
-        """This rank's manifest: every placed item with its chunk records (offsets, CRCs)."""
-        by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        for e, _c, _file, off, _entry_off, n, crc in self._engine.chunk_records(job.engine_job):
-            by_entry[e].append((off, n, crc))  # the file is implied by the item's placement
-        for e, _c, _f, off, n, crc in ext_records:
-            by_entry[e].append((off, n, crc))
-        items: list[ItemRecord] = []
+        chunks: dict[int, Any],
+    ) -> Iterator[ItemRecord]:
+        """This rank's manifest records, one at a time: every placed item with its chunk records
+        (offsets, CRCs), then the bytes items."""
         for item, cap, f, start, payload in placed:
             tmpl = self._templates.get(cap.dtype, cap.shape)
-            items.append(
-                ItemRecord(
-                    fqn=item.index.fqn,
-                    offset=list(item.index.offset) if item.index.offset is not None else None,
-                    file=data_file_name(ctx.rank, f),
-                    archive_offset=start,
-                    archive_length=tmpl.total_bytes,
-                    payload_offset=payload,
-                    payload_bytes=cap.nbytes,
-                    dtype=str(cap.dtype).replace("torch.", ""),
-                    shape=list(cap.shape),
-                    chunks=sorted(by_entry.get(cap.entry, [])),
-                )
+            got = chunks.get(cap.entry)
+            yield ItemRecord(
+                fqn=item.index.fqn,
+                offset=list(item.index.offset) if item.index.offset is not None else None,
+                file=data_file_name(ctx.rank, f),
+                archive_offset=start,
+                archive_length=tmpl.total_bytes,
+                payload_offset=payload,
+                payload_bytes=cap.nbytes,
+                dtype=str(cap.dtype).replace("torch.", ""),
+                shape=list(cap.shape),
+                chunks=[] if got is None else [got] if isinstance(got, tuple) else sorted(got),
             )
         for item, f, off, n, crc in bytes_crcs:
-            items.append(
-                ItemRecord(
-                    fqn=item.index.fqn,
-                    offset=None,
-                    file=data_file_name(ctx.rank, f),
-                    archive_offset=off,
-                    archive_length=n,
-                    payload_offset=off,
-                    payload_bytes=n,
-                    dtype="bytes",
-                    shape=[],
-                    chunks=[(off, n, crc)],
-                )
+            yield ItemRecord(
+                fqn=item.index.fqn,
+                offset=None,
+                file=data_file_name(ctx.rank, f),
+                archive_offset=off,
+                archive_length=n,
+                payload_offset=off,
+                payload_bytes=n,
+                dtype="bytes",
+                shape=[],
+                chunks=[(off, n, crc)],
             )
-        return RankManifest(
-            rank=ctx.rank,
-            checksums=self.config.checksums,
-            save_id=ctx.save_id,
-            items=items,
-        )
 
 
 def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:

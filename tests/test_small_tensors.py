@@ -16,7 +16,7 @@ from conftest import assert_state_equal, in_thread, zeros_like_state
 from dcp_datastates import CheckpointSaveError, DataStatesReader, DataStatesWriter
 from dcp_datastates.config import WriterConfig
 from dcp_datastates.engine import Engine
-from dcp_datastates.manifest import ItemRecord, RankManifest
+from dcp_datastates.manifest import ItemRecord, RankManifest, encode_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -152,6 +152,29 @@ def test_manifest_json_is_unchanged_by_the_fast_serialiser() -> None:
     assert raw["items"][0]["ref"] == "step-1" and "ref" not in raw["items"][1]
     assert raw["version"] == 2
     assert RankManifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4096])
+def test_manifest_streamed_in_pieces_is_the_same_text(batch: int) -> None:
+    items = [
+        ItemRecord(f"t{i}", [0], f"__0_{i % 2}.distcp", 10 * i, 10, 10 * i + 4, 4, "float32",
+                   [1], [(10 * i + 4, 4, i)])
+        for i in range(5)
+    ]
+    m = RankManifest(rank=0, checksums=True, save_id="s", items=items)
+    made: list[int] = []
+
+    def lazily() -> Any:  # a generator: the records exist only while they are encoded
+        for it in items:
+            made.append(1)
+            yield it
+
+    pieces = list(encode_manifest(0, True, "s", lazily(), batch=batch))
+    assert b"".join(pieces).decode() == m.to_json()
+    assert len(made) == 5 and len(pieces) == 2 + -(-5 // batch)
+    assert b"".join(encode_manifest(0, True, "s", iter([]), batch=batch)).decode() == (
+        RankManifest(rank=0, checksums=True, save_id="s", items=[]).to_json()
+    )
 
 
 def test_a_finished_save_keeps_no_per_tensor_objects(tmp_path: Any) -> None:
