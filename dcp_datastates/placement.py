@@ -80,9 +80,16 @@ class Placer:
             or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         ):
             return
-        job.early = place_early(
-            self._engine, self._templates, self.config, job, ctx.directory(), ctx.rank
-        )
+        try:
+            job.early = place_early(
+                self._engine, self._templates, self.config, job, ctx.directory(), ctx.rank
+            )
+        except CheckpointSaveError:
+            if isinstance(job.error, CheckpointSaveError):
+                # Failed elsewhere meanwhile (a barrier found a changed tensor, an abort): that
+                # is the cause; what placing hit afterwards is only a consequence.
+                raise job.error from None
+            raise
         job.early_tensors = len(job.early.placed) if job.early is not None else 0
 
     def write(

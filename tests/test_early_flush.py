@@ -257,3 +257,33 @@ def test_a_process_killed_before_the_claim_leaves_only_the_old_checkpoint(
     assert r.returncode == 9 and "flushed" in r.stdout, r.stderr[-3000:]
     assert _digest(path) == before
     assert_state_equal(_load(path, old), old)
+
+
+def test_a_save_failed_while_it_is_placed_early_reports_the_cause(
+    tmp_path: Any, writer_factory: Any, monkeypatch: Any
+) -> None:
+    # A barrier may fail the job (a tensor changed outside step()) while its save thread places
+    # it: the save must report that cause, not what placing a forgotten job then hits.
+    from dcp_datastates.errors import CaptureError
+
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    real = Engine.place
+    failed: list[int] = []
+
+    def place(self: Engine, job: int, *a: Any) -> None:
+        if not failed:
+            failed.append(job)
+            (j,) = [j for j in w._table._jobs if j.engine_job == job]
+            w._table.fail_job(j, CaptureError("'a' was modified in place (injected)"))
+        return real(self, job, *a)
+
+    monkeypatch.setattr(Engine, "place", place)
+    fut = dcp.async_save(_state(8), storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    with pytest.raises(BaseException, match="modified in place"):
+        fut.result(timeout=HANG_S)
+    assert failed
+    monkeypatch.undo()
+    dcp.async_save(_state(9), storage_writer=w, checkpoint_id=str(tmp_path / "c")).result(
+        timeout=HANG_S
+    )
+    assert_state_equal(_load(str(tmp_path / "c"), _state(9)), _state(9))
