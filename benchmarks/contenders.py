@@ -574,6 +574,15 @@ class DataStatesPlainEager(DataStatesPlain):
     writer_options = {"capture": "eager"}
 
 
+class DataStatesPlainLate(DataStatesPlain):
+    """The plain call with ``early_flush=False`` (every item placed after DCP's planning): run
+    beside ``ds_plain`` to see what early placement costs or saves a training loop."""
+
+    name = "ds_plain_late"
+    label = "DataStates async_save (plain call, early_flush=False)"
+    writer_options = {"early_flush": False}
+
+
 class DataStatesPlainIdleFlush(DataStatesPlain):
     """The plain call with ``flush_idle=True``: flush threads under ``SCHED_IDLE`` as well as
     copy threads (the default before flushes took their checksums from the copy). Run beside
@@ -611,6 +620,7 @@ MLP_NAMES: tuple[str, ...] = (
     "ds_plain",
     "ds_plain_eager",
     "ds_plain_idleflush",
+    "ds_plain_late",
     "dcp_fs_t2",
     "dcp_default_stager",
     "dcp_async",
@@ -634,6 +644,7 @@ def make_contender(name: str) -> Contender:
         "ds_plain": DataStatesPlain,
         "ds_plain_eager": DataStatesPlainEager,
         "ds_plain_idleflush": DataStatesPlainIdleFlush,
+        "ds_plain_late": DataStatesPlainLate,
         # fixed-configuration names used by the mlp-loop scenario
         "dcp_fs_t2": lambda: DcpSave(2),
         "dcp_default_stager": DcpAsyncStager,
