@@ -522,6 +522,15 @@ class DataStatesAsync(_DataStates):
         self.writer.wait_captured()
 
 
+class DataStatesAsyncEarly(DataStatesAsync):
+    """``ds_async`` with ``early_flush=True`` (placed when the save thread begins, flushing
+    while DCP plans; off by default, see docs/configuration.md)."""
+
+    name = "ds_async_early"
+    label = "DataStates async_save, early_flush=True"
+    writer_options = {"early_flush": True}
+
+
 class DataStatesAsyncLate(DataStatesAsync):
     """``ds_async`` with ``early_flush=False``: every item placed in ``write_data``, after DCP's
     planning, as before early placement (dcp_datastates.early). Run beside ``ds_async`` to see
@@ -606,10 +615,10 @@ ALL_NAMES: tuple[str, ...] = (
     "ds_plain",
 )
 DATASTATES_NAMES: tuple[str, ...] = (
-    "ds_save", "ds_async", "ds_async_lazy", "ds_plain", "ds_async_late"
+    "ds_save", "ds_async", "ds_async_lazy", "ds_plain", "ds_async_late", "ds_async_early"
 )
 # variants run only when named (A/B comparisons of one option)
-EXTRA_NAMES: tuple[str, ...] = ("ds_async_late",)
+EXTRA_NAMES: tuple[str, ...] = ("ds_async_late", "ds_async_early")
 # same as ds_async once protect(optimizer) marks all training state as lazily captured
 TRAINING_EXCLUDED: tuple[str, ...] = ("ds_async_lazy",)
 # the plain call is about training loops (no barrier: the synthetic scenarios' in-place change
@@ -641,6 +650,7 @@ def make_contender(name: str) -> Contender:
         "ds_async": DataStatesAsync,
         "ds_async_lazy": DataStatesAsyncLazy,
         "ds_async_late": DataStatesAsyncLate,
+        "ds_async_early": DataStatesAsyncEarly,
         "ds_plain": DataStatesPlain,
         "ds_plain_eager": DataStatesPlainEager,
         "ds_plain_idleflush": DataStatesPlainIdleFlush,

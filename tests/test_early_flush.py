@@ -90,7 +90,7 @@ def test_tensors_flush_during_planning_and_stay_invisible_until_the_claim(
 ) -> None:
     path = str(tmp_path / "ckpt")
     old, new = _state(1), _state(2)
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     dcp.save(old, storage_writer=w, checkpoint_id=path)
     before = _digest(path)
 
@@ -116,7 +116,7 @@ def test_a_refused_save_leaves_the_old_checkpoint_and_no_files(
 ) -> None:
     path = str(tmp_path / "ckpt")
     old = _state(1)
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", overwrite=False)
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", overwrite=False, early_flush=True)
     dcp.save(old, storage_writer=w, checkpoint_id=path)
     before = _digest(path)
     fut = dcp.async_save(_state(2), storage_writer=w, checkpoint_id=path)
@@ -137,7 +137,7 @@ def test_a_save_failing_in_planning_leaves_no_data_files(
             raise RuntimeError("planner broke")
 
     path = str(tmp_path / "new")
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     fut = dcp.async_save(_state(3), storage_writer=w, checkpoint_id=path, planner=FailingPlanner())
     with pytest.raises(BaseException, match="planner broke"):
         fut.result(timeout=HANG_S)
@@ -166,7 +166,7 @@ def test_files_that_cannot_be_linked_are_copied_into_place(
     monkeypatch.setattr(Engine, "link_file", refuse)
     path = str(tmp_path / "ckpt")
     state = _state(5)
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
@@ -202,7 +202,7 @@ def test_a_plan_that_drops_or_replaces_staged_tensors_is_still_exact(
 
     path = str(tmp_path / "ckpt")
     state = _state(6)
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     dcp.async_save(state, storage_writer=w, checkpoint_id=path, planner=Replacing()).result(
         timeout=HANG_S
     )
@@ -221,7 +221,7 @@ def test_early_flush_off_and_dcp_save_place_in_write_data(
         timeout=HANG_S
     )
     assert w.save_stats()[-1]["early_tensors"] == 0
-    w2: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w2: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     dcp.save(state, storage_writer=w2, checkpoint_id=str(tmp_path / "b"))
     assert w2.save_stats()[-1]["early_tensors"] == 0
     for p in ("a", "b"):
@@ -233,7 +233,7 @@ def test_a_process_killed_before_the_claim_leaves_only_the_old_checkpoint(
 ) -> None:
     path = str(tmp_path / "ckpt")
     old = _state(1)
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     dcp.save(old, storage_writer=w, checkpoint_id=path)
     before = _digest(path)
     child = textwrap.dedent(
@@ -243,7 +243,8 @@ def test_a_process_killed_before_the_claim_leaves_only_the_old_checkpoint(
         import torch.distributed.checkpoint as dcp
         import test_early_flush as t
         from dcp_datastates import DataStatesWriter
-        w = DataStatesWriter({path!r}, host_cache_size="64MiB", chunk_size="1MiB")
+        w = DataStatesWriter({path!r}, host_cache_size="64MiB", chunk_size="1MiB",
+                             early_flush=True)
         planner = t.GatedPlanner()
         dcp.async_save(t._state(2), storage_writer=w, checkpoint_id={path!r}, planner=planner)
         assert planner.entered.wait(30)
@@ -266,7 +267,7 @@ def test_a_save_failed_while_it_is_placed_early_reports_the_cause(
     # it: the save must report that cause, not what placing a forgotten job then hits.
     from dcp_datastates.errors import CaptureError
 
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     real = Engine.place
     failed: list[int] = []
 
