@@ -109,7 +109,6 @@ class SaveJob:
     finished: bool = False  # written or failed; its engine job is forgotten
     protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
     early: Any = None  # its EarlyPlacement (dcp_datastates.early), placed before DCP planned
-    early_tensors: int = 0  # how many of its tensors were placed early
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -154,6 +153,9 @@ class SaveJob:
             self.tensors = []
             self.by_staged_id = {}
             self.keepalive.clear()
+            if self.early is not None:  # its per-tensor places, like the records
+                self.early.close()
+                self.early = None
 
     def waits_for(self, owners: set[int]) -> bool:
         """Whether a step of an optimizer with one of these ids must wait for this job."""

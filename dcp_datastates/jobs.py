@@ -495,7 +495,7 @@ class JobTable:
             copy_busy_s=float(st["copy_busy_s"]),
             stall_s=job.stall_s,
             lazy_bytes=job.lazy_bytes,
-            early_tensors=job.early_tensors,
+            early_tensors=len(job.early.placed) if job.early is not None else 0,
             flush_busy_s=float(st["flush_busy_s"]),
             error=str(job.error) if job.error is not None else None,
         )

@@ -90,7 +90,6 @@ class Placer:
                 # is the cause; what placing hit afterwards is only a consequence.
                 raise job.error from None
             raise
-        job.early_tensors = len(job.early.placed) if job.early is not None else 0
 
     def write(
         self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
@@ -248,9 +247,11 @@ class Placer:
         if added_late:
             eng.start_copies(job.engine_job)
         ext_records: list[tuple[int, int, int, int, int, int]] = []
+        unlinked_fds = early.fds if copy_early and early is not None else {}
         for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
-            unnamed = copy_early and early is not None and f in early.fds
-            fd = early.fds[f] if unnamed and early is not None else os.open(
+            # Not linked (copied later): write into the unnamed file, through its descriptor.
+            unnamed = unlinked_fds.get(f)
+            fd = unnamed if unnamed is not None else os.open(
                 d.join(data_file_name(ctx.rank, f)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             )
             try:
@@ -259,7 +260,7 @@ class Placer:
                 cap.spill.copy_to(fd, payload)
                 os.pwrite(fd, tmpl.suffix, payload + cap.nbytes)
             finally:
-                if not unnamed:  # an unnamed file's descriptor is the early placement's
+                if unnamed is None:  # an unnamed file's descriptor is the early placement's
                     os.close(fd)
             ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
         eng.seal(job.engine_job)
