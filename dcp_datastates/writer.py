@@ -84,7 +84,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import barrier
+from . import barrier, forksafe
 from .capture import SaveJob, Stager
 from .checkpoints import RetentionPolicy
 from .commit import METADATA_FILE, CheckpointDir
@@ -264,6 +264,7 @@ class DataStatesWriter(StorageWriter):
         self.overwrite = bool(overwrite)
         self._pid = os.getpid()
         skip_unheard_debug_events()  # DCP's per-key DEBUG records nobody receives (dcplog.py)
+        forksafe.warm_up()  # native statics a background save would create (forksafe.py)
         self.config = WriterConfig(
             cache_bytes=parse_size(host_cache_size, what="host_cache_size"),
             chunk_bytes=parse_size(chunk_size, default_unit=1, what="chunk_size"),

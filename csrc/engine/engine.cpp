@@ -946,20 +946,21 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
   try {
     maybe_delay(false);
     if (options_.checksums && !have_crc) crc = crc32c(0, data, bytes);
-    static const std::string kNone;
-    const std::string& head = header ? *header : kNone;
-    const std::string& tail = trailer ? *trailer : kNone;
+    // No function-local static here (nor anywhere on an engine thread): the first use of one
+    // with a destructor registers it under glibc's atexit lock, and a fork() by the Python
+    // thread at that moment leaves the child (a DataLoader worker) deadlocked on that lock.
+    const std::size_t head_n = header ? header->size() : 0;
+    const std::size_t tail_n = trailer ? trailer->size() : 0;
     // iovec wants non-const pointers; pwritev only reads them.
-    auto* head_p = const_cast<char*>(head.data());
-    auto* tail_p = const_cast<char*>(tail.data());
+    auto* head_p = head_n ? const_cast<char*>(header->data()) : nullptr;
+    auto* tail_p = tail_n ? const_cast<char*>(trailer->data()) : nullptr;
     if (file->direct_enabled() && bytes >= PosixFile::kDirectMinBytes) {
-      if (!head.empty()) file->write_at(offset - head.size(), {iovec{head_p, head.size()}});
+      if (head_n) file->write_at(offset - head_n, {iovec{head_p, head_n}});
       file->write_payload_at(offset, data, bytes);
-      if (!tail.empty()) file->write_at(offset + bytes, {iovec{tail_p, tail.size()}});
+      if (tail_n) file->write_at(offset + bytes, {iovec{tail_p, tail_n}});
     } else {  // buffered anyway (small payload, or no O_DIRECT): one pwritev
-      file->write_at(offset - head.size(), {iovec{head_p, head.size()},
-                                            iovec{data, bytes},
-                                            iovec{tail_p, tail.size()}});
+      file->write_at(offset - head_n, {iovec{head_p, head_n}, iovec{data, bytes},
+                                       iovec{tail_p, tail_n}});
     }
   } catch (const std::exception& ex) {
     error = "flush of '" + name + "' failed: " + ex.what();

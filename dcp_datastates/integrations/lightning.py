@@ -31,7 +31,8 @@ What is guaranteed (``tests/test_integration_lightning.py``):
   wait for the save to that path first; ``teardown`` (end of ``fit``) waits for every save and
   frees the host cache, so a checkpoint is durable when ``fit`` returns.
 * A failed save is never lost: its error (a :class:`~dcp_datastates.CheckpointSaveError` naming
-  the path) is raised by the next save, by a load of that path, or by ``teardown``.
+  the path) is raised by the first save started after it failed, by a load of that path, or
+  by ``teardown``.
 * :class:`DataStatesModelParallelStrategy` is ``ModelParallelStrategy`` whose distributed
   checkpoints go through ``dcp.async_save`` with a DataStatesWriter on a dedicated gloo group
   (training collectives are not shared with the save thread). Lightning's strategy calls the
