@@ -523,8 +523,8 @@ class DataStatesAsync(_DataStates):
 
 
 class DataStatesAsyncEarly(DataStatesAsync):
-    """``ds_async`` with ``early_flush=True`` (placed when the save thread begins, flushing
-    while DCP plans; off by default, see docs/configuration.md)."""
+    """``ds_async`` with ``early_flush=True`` forced (placed when the save thread begins,
+    flushing while DCP plans; the writer's default again since the fork hang was explained)."""
 
     name = "ds_async_early"
     label = "DataStates async_save, early_flush=True"

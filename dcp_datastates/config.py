@@ -101,7 +101,7 @@ class WriterConfig:
     flush_threads: int = 2
     files_per_rank: int = 2
     o_direct: bool = True
-    early_flush: bool = False
+    early_flush: bool = True
     capture: CaptureMode = "auto"
     checksums: bool = True
     durable: bool = True

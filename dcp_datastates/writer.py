@@ -166,8 +166,7 @@ class DataStatesWriter(StorageWriter):
             kernel copy, no page-cache pollution; file systems that refuse it get buffered I/O).
         early_flush: with ``async_save`` on one rank to a local directory, place the staged
             tensors in (still unnamed) data files as soon as the save thread begins, so they
-            flush while DCP plans (default: off, see docs/configuration.md for why;
-            :mod:`dcp_datastates.early`).
+            flush while DCP plans (default: on; :mod:`dcp_datastates.early`).
         capture: "auto" (default), "owned", "lazy" or "eager"; see docs/configuration.md.
         checksums: CRC-32C per chunk, recorded in the manifest (see ``verify_checkpoint``).
         durable: fdatasync data files and fsync directories before the commit.
@@ -237,7 +236,7 @@ class DataStatesWriter(StorageWriter):
         flush_threads: int = 2,
         files_per_rank: int | None = None,
         o_direct: bool = True,
-        early_flush: bool = False,
+        early_flush: bool = True,
         capture: CaptureMode = "auto",
         checksums: bool = True,
         durable: bool = True,
