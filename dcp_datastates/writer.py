@@ -105,6 +105,7 @@ from .jobs import (
 )
 from .layout import TemplateCache
 from .placement import Placer
+from .planner import share_equal_values
 from .tiers import Promoter, attach_persist_stats
 
 logger = logging.getLogger(__name__)
@@ -622,7 +623,7 @@ class DataStatesWriter(StorageWriter):
                     f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
                     f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
                 )
-        return plan
+        return share_equal_values(plan)  # DCP pickles it (collectives, .metadata): planner.py
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
