@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .capture import SaveJob
 from .commit import CheckpointDir, claim_and_prepare, release_path
+from .gcpause import ProtocolPause
 
 if TYPE_CHECKING:
     from .writer import DataStatesWriter
@@ -42,6 +43,25 @@ class SaveContext:
     finished: bool = False  # finish() ran (coordinator) or the context ended
     ended: bool = False
     storage_options: dict[str, Any] | None = None  # fsspec options of non-local URLs
+    gc_pause: ProtocolPause | None = None  # collector off during DCP's planning (gcpause.py)
+
+    def end_gc_pause(self) -> None:
+        """Ends the collector pause this save holds, if any (idempotent)."""
+        pause, self.gc_pause = self.gc_pause, None
+        if pause is not None:
+            pause.end()
+
+    def end_gc_pause_soon(self) -> None:
+        """Ends the collector pause shortly after this save's protocol returns to its caller."""
+        pause, self.gc_pause = self.gc_pause, None
+        if pause is not None:
+            pause.end_soon(0.1)
+
+    def begin_gc_pause(self) -> None:
+        """Pauses the collector until :meth:`end_gc_pause` (or the pause's own time limit);
+        a pause this save holds already goes on."""
+        if self.gc_pause is None or self.gc_pause.ended:
+            self.gc_pause = ProtocolPause()
 
     def directory(self) -> CheckpointDir:
         """The checkpoint directory of this save (with the writer's storage options)."""

@@ -613,12 +613,15 @@ class DataStatesWriter(StorageWriter):
             raise ctx.job.error  # failed before its save began (e.g. by a step barrier)
         if ctx.job is not None:
             self._placer.place_early(ctx, ctx.job)  # flushes while DCP plans (early.py)
+        # DCP plans next (an object or more per item): no collections until write_data.
+        ctx.begin_gc_pause()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:
             ctx = self._context()
             d = ctx.directory()
             if d.fs.exists(d.join(METADATA_FILE)):
+                ctx.end_gc_pause()
                 raise FileExistsError(
                     f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
                     f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
@@ -627,13 +630,22 @@ class DataStatesWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
-        self._claim_and_prepare(ctx)
+        try:
+            self._claim_and_prepare(ctx)
+        except BaseException:
+            ctx.end_gc_pause()
+            raise
         return plans
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
         ctx = self._context()
+        if ctx.job is not None:
+            # async_save: the planning is over, and this thread now waits for the flush while
+            # training runs. dcp.save keeps the pause to the end of finish(): the plan's objects
+            # all die with the save, so a collection in between would only scan them.
+            ctx.end_gc_pause()
         if not ctx.use_collectives and ctx.path_key is None:
             self._claim_and_prepare(ctx)  # no global plan step (single rank): prepare here
         job = self._bind_job(ctx, plan, planner)
@@ -644,6 +656,7 @@ class DataStatesWriter(StorageWriter):
                 # This rank's files are durable; the coordinator's promotion commits the copy.
                 self._submit_promotion(ctx, 0)
         except BaseException as e:
+            ctx.end_gc_pause()
             if isinstance(job.error, CheckpointSaveError):
                 # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
                 # the cause; what this thread hit afterwards is only a consequence.
@@ -657,6 +670,10 @@ class DataStatesWriter(StorageWriter):
             if err is e:
                 raise
             raise err from e
+        if ctx.coordinator:
+            ctx.begin_gc_pause()  # DCP gathers every rank's results for finish(): no waits left
+        else:
+            ctx.end_gc_pause()  # this rank's protocol is over (no finish() here)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -675,6 +692,7 @@ class DataStatesWriter(StorageWriter):
             if self._promoter is not None:
                 self._submit_promotion(ctx, len(results))
         finally:
+            ctx.end_gc_pause_soon()  # after DCP's frames let go of the plan (gcpause.py)
             ctx.finished = True
             self._release_claim(ctx)
 
@@ -707,6 +725,7 @@ class DataStatesWriter(StorageWriter):
         if ctx.ended:
             return
         ctx.ended = True
+        ctx.end_gc_pause()  # DCP stopped between two calls (a planner error, a collective)
         self._release_claim(ctx)
         job = ctx.job
         if job is not None and job.adhoc and not job.finished:

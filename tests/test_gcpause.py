@@ -6,20 +6,31 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesWriter
-from dcp_datastates.gcpause import gc_paused
+from dcp_datastates import DataStatesWriter, gcpause
+from dcp_datastates.gcpause import ProtocolPause, gc_paused
+
+
+def _no_pause_in_progress() -> None:
+    """Waits for pauses that end shortly after a save (ProtocolPause.end_soon) of a test."""
+    deadline = time.monotonic() + 5
+    while gcpause._depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gcpause._depth == 0, "a collector pause was left in progress"
 
 
 @pytest.fixture(autouse=True)
 def _restore_gc() -> Any:
+    _no_pause_in_progress()
     was = gc.isenabled()
     yield
+    _no_pause_in_progress()
     if was:
         gc.enable()
     else:
@@ -104,13 +115,21 @@ def test_an_exception_inside_reenables() -> None:
     assert gc.isenabled()
 
 
+def _enabled_within(seconds: float) -> bool:
+    """A save's pause ends shortly after its last protocol call (ProtocolPause.end_soon)."""
+    deadline = time.monotonic() + seconds
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return gc.isenabled()
+
+
 def test_saves_leave_the_collector_as_they_found_it(tmp_path: Any) -> None:
     sd = {"m": {f"t{i}": torch.randn(4) for i in range(100)}}
     with DataStatesWriter(str(tmp_path), host_cache_size="16MiB") as w:
         gc.enable()
         dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "a")).result(60)
         dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "b"))
-        assert gc.isenabled()
+        assert _enabled_within(5)
         gc.disable()
         dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c")).result(60)
         dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "d"))
@@ -120,4 +139,53 @@ def test_saves_leave_the_collector_as_they_found_it(tmp_path: Any) -> None:
         bad = {"m": {"t": torch.randn(4), "lock": threading.Lock()}}
         with pytest.raises(Exception, match="lock"):
             dcp.async_save(bad, storage_writer=w, checkpoint_id=str(tmp_path / "e"))
+        assert gc.isenabled()
+
+
+def test_a_protocol_pause_ends_once_by_call_or_by_its_timer() -> None:
+    gc.enable()
+    p = ProtocolPause(max_s=60)
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the protocol pause goes on
+    p.end()
+    p.end()  # idempotent: a second end does not end another pause
+    assert gc.isenabled()
+    q, r = ProtocolPause(max_s=0.2), ProtocolPause(max_s=60)
+    time.sleep(0.5)
+    assert q.ended and not r.ended and not gc.isenabled()
+    r.end_soon(0.1)
+    assert not gc.isenabled()
+    assert _enabled_within(5) and r.ended
+
+
+def test_a_protocol_pause_keeps_a_disabled_collector_disabled() -> None:
+    gc.disable()
+    ProtocolPause(max_s=60).end()
+    assert not gc.isenabled()
+
+
+def test_dcp_failing_between_writer_calls_does_not_leave_the_collector_off(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    # A planner that raises after set_up_storage_writer: DCP never calls the writer again, so
+    # the pause ends by the next save in this thread or, without one, by its timer.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Failing(DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            raise RuntimeError("planner failed")
+
+    monkeypatch.setattr(gcpause, "PROTOCOL_PAUSE_MAX_S", 0.5)
+    sd = {"m": {f"t{i}": torch.randn(4) for i in range(10)}}
+    gc.enable()
+    with DataStatesWriter(str(tmp_path), host_cache_size="16MiB") as w:
+        with pytest.raises(BaseException, match="planner failed"):
+            dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "a"), planner=Failing())
+        assert not gc.isenabled()  # the failed save's pause is still on ...
+        dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "b"))
+        assert _enabled_within(5)  # ... and the next save ended it
+        with pytest.raises(BaseException, match="planner failed"):
+            dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"), planner=Failing())
+        time.sleep(1.0)  # no next save: the timer ends it
         assert gc.isenabled()
