@@ -50,7 +50,7 @@ import torch
 from .barrier import DTensor, _local
 from .engine import Engine
 from .errors import CaptureError
-from .gcpause import gc_paused
+from .gcpause import ProtocolPause
 from .incremental import Owner, StageInfo, Tracker
 from .spill import SpilledTensor, spill_tensor
 
@@ -109,6 +109,7 @@ class SaveJob:
     finished: bool = False  # written or failed; its engine job is forgotten
     protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
     early: Any = None  # its EarlyPlacement (dcp_datastates.early), placed before DCP planned
+    gc_pause: ProtocolPause | None = None  # from stage() until its save thread takes it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -138,6 +139,18 @@ class SaveJob:
             self.keepalive.clear()
             if self.early is not None:
                 self.early.close()  # its unnamed files, if never linked, vanish with the engine's
+
+    def end_gc_pause(self) -> None:
+        """Ends the collector pause stage() began, unless taken (idempotent; any thread)."""
+        pause = self.take_gc_pause()
+        if pause is not None:
+            pause.end()
+
+    def take_gc_pause(self) -> ProtocolPause | None:
+        """Hands the collector pause stage() began to the save thread (None if gone)."""
+        with self.lock:
+            pause, self.gc_pause = self.gc_pause, None
+        return pause
 
     def discard_payload(self) -> None:
         """Drops the per-tensor records of a finished job whose DCP protocol is over.
@@ -245,13 +258,19 @@ class Stager:
         job = SaveJob(engine_job=self._engine.create_job(f"save-{seq}"), seq=seq, t_stage=t0)
         self._owners_valid = {}
         pending: list[_Pending] = []
+        # Per-tensor bookkeeping with the collector paused, and the pause handed over to the save
+        # thread, which keeps it through DCP's planning (writer.set_up_storage_writer): no
+        # collection in the caller's save call (one that started on the save thread while the
+        # caller was still returning would hold the GIL for all of it), none of the walk's
+        # objects scanned while they live. It ends with the job if no save thread takes it.
+        job.gc_pause = ProtocolPause()
         try:
-            with gc_paused():  # per-tensor bookkeeping only: no waits inside
-                staged = self._walk(state_dict, "", job, owners, pending)
-                self._register_batch(job, pending)
+            staged = self._walk(state_dict, "", job, owners, pending)
+            self._register_batch(job, pending)
             self._capture(job, pending)
             self._engine.start_copies(job.engine_job)
         except BaseException:
+            job.end_gc_pause()
             self._engine.forget(job.engine_job)
             raise
         job.stage_s = time.perf_counter() - t0

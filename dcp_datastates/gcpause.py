@@ -19,7 +19,9 @@ Contract:
   ever re-enables. The child therefore starts with no pause in progress and the collector
   restored; a pause that was entered before the fork ends in the child without effect.
 
-:class:`ProtocolPause` covers code that is not ours: DCP's planning between two calls of the
+:class:`ProtocolPause` covers code that is not ours, or spans threads: the ``stage()`` walk's
+pause, which the save thread takes over and keeps through DCP's planning (no collection in
+the caller's ``async_save`` call), and DCP's planning between two calls of the
 storage-writer protocol (100,000 items: 3.3 s of collections in a 9.8 s ``dcp.save``). DCP may
 stop between those calls (a planner error, a failed collective) without calling the writer
 again, so such a pause also ends by itself after ``max_s`` seconds (a timer thread), and the

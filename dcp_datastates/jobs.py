@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .capture import SaveJob, raise_if_modified
@@ -299,16 +300,28 @@ class JobTable:
                 self.idle.wait(left)
         return True
 
-    def wait_turn(self, job: SaveJob | None) -> None:
+    def wait_turn(
+        self, job: SaveJob | None, before_waiting: Callable[[], None] | None = None
+    ) -> None:
         """Blocks until every staged save earlier than ``job`` (every one, for None) has ended
         its protocol: one save's protocol (with its collectives) at a time, in the order of the
-        save calls, identically on every rank."""
-        with self.idle:
-            limit = job.seq if job is not None else None
-            while any(
+        save calls, identically on every rank. ``before_waiting`` runs first (without the
+        table's lock) if the call is going to wait."""
+        limit = job.seq if job is not None else None
+
+        def earlier_running() -> bool:
+            return any(
                 not j.protocol_done and not j.adhoc and (limit is None or j.seq < limit)
                 for j in self._jobs
-            ):
+            )
+
+        if before_waiting is not None:
+            with self.lock:
+                waits = earlier_running()
+            if waits:
+                before_waiting()
+        with self.idle:
+            while earlier_running():
                 self.idle.wait()
 
     def job_of_thread(self, ident: int) -> SaveJob | None:
@@ -409,6 +422,7 @@ class JobTable:
 
     def drop_job(self, job: SaveJob) -> None:
         """Removes a job from the table; wakes whoever waits for the table to change."""
+        job.end_gc_pause()  # a save thread that never started (capture.py)
         with self.idle:
             if job in self._jobs:
                 self._jobs.remove(job)

@@ -593,6 +593,19 @@ class DataStatesWriter(StorageWriter):
         # Adopt the staged job first, so that a refusal below still ends it (the binding
         # releases it when this save ends).
         ctx.job = self._table.job_of_thread(threading.get_ident())
+        if ctx.job is not None:
+            # The collector pause stage() began goes on through DCP's planning (capture.py).
+            ctx.gc_pause = ctx.job.take_gc_pause()
+        try:
+            self._set_up(ctx, is_coordinator, *args, **kwargs)
+        except BaseException:
+            ctx.end_gc_pause()
+            raise
+        # DCP plans next (an object or more per item): no collections until write_data.
+        ctx.begin_gc_pause()
+
+    def _set_up(self, ctx: SaveContext, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """set_up_storage_writer's checks, its turn and its early placement."""
         ctx.coordinator = is_coordinator
         ctx.rank = int(kwargs.get("rank", args[0] if args else 0) or 0)
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -608,13 +621,11 @@ class DataStatesWriter(StorageWriter):
             self._promoter.relative(ctx.path)  # refuses a checkpoint outside the fast tier
         # One save's protocol (with its collectives) at a time, in the order of the save
         # calls, identically on every rank: wait for every earlier staged save to end.
-        self._table.wait_turn(ctx.job)
+        self._table.wait_turn(ctx.job, before_waiting=ctx.end_gc_pause)  # no pause spans it
         if ctx.job is not None and ctx.job.error is not None:
             raise ctx.job.error  # failed before its save began (e.g. by a step barrier)
         if ctx.job is not None:
             self._placer.place_early(ctx, ctx.job)  # flushes while DCP plans (early.py)
-        # DCP plans next (an object or more per item): no collections until write_data.
-        ctx.begin_gc_pause()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite:

@@ -189,3 +189,44 @@ def test_dcp_failing_between_writer_calls_does_not_leave_the_collector_off(
             dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "c"), planner=Failing())
         time.sleep(1.0)  # no next save: the timer ends it
         assert gc.isenabled()
+
+
+def test_the_stage_pause_is_handed_to_the_save_and_never_spans_a_wait_for_an_earlier_one(
+    tmp_path: Any,
+) -> None:
+    # stage() pauses the collector in the caller; the save thread takes that pause over for
+    # DCP's planning (one pause, not two), and ends it before waiting for an earlier save.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    release = threading.Event()
+    planning = threading.Event()
+
+    class Blocking(DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            planning.set()
+            assert release.wait(30)
+            return super().create_local_plan()
+
+    def depth_becomes(n: int) -> bool:
+        deadline = time.monotonic() + 10
+        while gcpause._depth != n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return gcpause._depth == n
+
+    sd = {"m": {f"t{i}": torch.randn(4) for i in range(50)}}
+    gc.enable()
+    with DataStatesWriter(str(tmp_path), host_cache_size="16MiB") as w:
+        try:
+            fa = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "a"),
+                                planner=Blocking())
+            assert planning.wait(30)
+            assert depth_becomes(1) and not gc.isenabled()  # the stage pause, handed over
+            fb = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "b"))
+            # b's save thread waits for a's protocol: its own pause ended before it waited.
+            assert depth_becomes(1)
+            assert not fb.done()
+        finally:
+            release.set()
+        fa.result(60)
+        fb.result(60)
+    assert _enabled_within(5)
