@@ -214,10 +214,38 @@ def _validate(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"cannot save '{name}': device {local.device} is not supported")
 
 
-# A tensor leaf of the state dict, not yet registered: (cap, at_call) where at_call is "must"
-# (taken at the call), "no" (copied in the background) or "ref" (incremental: referenced, never
-# copied). A tuple, not an object: one per tensor.
-_Pending = tuple[CapturedTensor, str]
+class _Batch:
+    """The tensor leaves one ``stage()`` call registers, in registration order, already laid out
+    as the engine's one native call takes them (so that no second pass over 20,000 tensors is
+    needed). Each leaf is taken at the call (``must``), copied in the background (``lazy``) or,
+    for incremental saves, referenced and never copied (``ref``); ``cap.entry`` is its index here
+    (the engine numbers a fresh job's entries from 0)."""
+
+    __slots__ = ("caps", "names", "srcs", "sizes", "cuda", "by_id", "must", "lazy", "ref")
+
+    def __init__(self) -> None:
+        self.caps: list[CapturedTensor] = []
+        self.names: list[str] = []
+        self.srcs: list[int] = []  # source addresses (0 for an empty tensor)
+        self.sizes: list[int] = []
+        self.cuda: list[tuple[int, torch.Tensor]] = []  # (index, source) of CUDA sources
+        self.by_id: dict[int, CapturedTensor] = {}  # id(staged object) -> record
+        self.must: list[CapturedTensor] = []
+        self.lazy: list[CapturedTensor] = []
+        self.ref: list[CapturedTensor] = []
+
+    def add(self, cap: CapturedTensor, at_call: str) -> None:
+        """Adds one leaf (``at_call``: "must", "no" or "ref")."""
+        source = cap.source
+        cap.entry = len(self.caps)
+        self.caps.append(cap)
+        self.names.append(cap.name)
+        self.srcs.append(source.data_ptr() if cap.nbytes else 0)
+        self.sizes.append(cap.nbytes)
+        if source.is_cuda:
+            self.cuda.append((cap.entry, source))
+        self.by_id[id(cap.staged)] = cap
+        (self.must if at_call == "must" else self.lazy if at_call == "no" else self.ref).append(cap)
 
 
 class Stager:
@@ -257,7 +285,7 @@ class Stager:
         seq = next(_SEQ)
         job = SaveJob(engine_job=self._engine.create_job(f"save-{seq}"), seq=seq, t_stage=t0)
         self._owners_valid = {}
-        pending: list[_Pending] = []
+        batch = _Batch()
         # Per-tensor bookkeeping with the collector paused, and the pause handed over to the save
         # thread, which keeps it through DCP's planning (writer.set_up_storage_writer): no
         # collection in the caller's save call (one that started on the save thread while the
@@ -265,9 +293,9 @@ class Stager:
         # objects scanned while they live. It ends with the job if no save thread takes it.
         job.gc_pause = ProtocolPause()
         try:
-            staged = self._walk(state_dict, "", job, owners, pending)
-            self._register_batch(job, pending)
-            self._capture(job, pending)
+            staged = self._walk(state_dict, "", job, owners, batch)
+            self._register_batch(job, batch)
+            self._capture(job, batch)
             self._engine.start_copies(job.engine_job)
         except BaseException:
             job.end_gc_pause()
@@ -323,7 +351,7 @@ class Stager:
 
     # -- internals -------------------------------------------------------------------------
     def _walk(
-        self, obj: Any, path: str, job: SaveJob, owners: Mapping[int, int], out: list[_Pending]
+        self, obj: Any, path: str, job: SaveJob, owners: Mapping[int, int], out: _Batch
     ) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._stage_tensor(obj, path or "<root>", owners, out)
@@ -353,7 +381,7 @@ class Stager:
 
     def _walk_dict_fast(
         self, obj: dict[Any, Any], path: str, job: SaveJob, owners: Mapping[int, int],
-        out: list[_Pending],
+        out: _Batch,
     ) -> dict[Any, Any]:
         """``_walk`` of a plain dict whose plain, contiguous CPU tensors no optimizer owns are
         staged inline (taken at the call): the same decision as :meth:`_stage_tensor` makes for
@@ -361,7 +389,8 @@ class Stager:
         staged: dict[Any, Any] = {}
         prefix = f"{path}." if path else ""
         strided = torch.strided
-        append = out.append
+        caps, names, srcs, sizes, must = out.caps, out.names, out.srcs, out.sizes, out.must
+        by_id = out.by_id
         for k, v in obj.items():
             if (
                 type(v) is torch.Tensor
@@ -375,14 +404,20 @@ class Stager:
                 and not (owners and v.numel() > 0 and v.untyped_storage().data_ptr() in owners)
             ):
                 local = v.detach()  # a fresh object per save: the identity key
-                append((
-                    CapturedTensor(
-                        name=f"{prefix}{k}", staged=local, source=local, entry=-1,
-                        nbytes=local.nbytes, dtype=local.dtype, shape=tuple(local.shape),
-                        lazy=False, version=0,
-                    ),
-                    "must",
-                ))
+                nbytes = local.nbytes
+                name = f"{prefix}{k}"
+                # Positional: CapturedTensor(name, staged, source, entry, nbytes, dtype, shape,
+                # lazy, version); what _Batch.add does, inline.
+                cap = CapturedTensor(
+                    name, local, local, len(caps), nbytes, local.dtype, tuple(local.shape),
+                    False, 0,
+                )
+                caps.append(cap)
+                names.append(name)
+                srcs.append(local.data_ptr() if nbytes else 0)
+                sizes.append(nbytes)
+                by_id[id(local)] = cap
+                must.append(cap)
                 staged[k] = local
             else:
                 staged[k] = self._walk(v, _join(path, k), job, owners, out)
@@ -393,7 +428,7 @@ class Stager:
         t: torch.Tensor,
         name: str,
         owners: Mapping[int, int],
-        out: list[_Pending],
+        out: _Batch,
     ) -> torch.Tensor:
         """Decides how one tensor leaf is captured; it is registered later, with the batch."""
         _validate(name, t)
@@ -456,33 +491,23 @@ class Stager:
         )
         if referenced:
             at_call, cap.lazy, cap.owner = "ref", False, None
-        out.append((cap, at_call))
+        out.add(cap, at_call)
         return staged
 
-    def _register_batch(self, job: SaveJob, pending: list[_Pending]) -> None:
-        """Registers every pending tensor with the engine in one native call."""
-        n = len(pending)
-        names: list[str] = [""] * n
-        srcs: list[int] = [0] * n
-        sizes: list[int] = [0] * n
+    def _register_batch(self, job: SaveJob, batch: _Batch) -> None:
+        """Registers every tensor of the batch with the engine in one native call."""
+        n = len(batch.caps)
         devices: list[int] = [-1] * n
         events: list[int] = [0] * n
-        for i, (cap, _) in enumerate(pending):
-            source = cap.source
-            names[i] = cap.name
-            if cap.nbytes:
-                srcs[i] = source.data_ptr()
-            sizes[i] = cap.nbytes
-            if source.is_cuda:
-                devices[i], events[i] = self._cuda_source(job, source)
-        first = self._engine.add_entries(job.engine_job, names, srcs, sizes, devices, events,
-                                         [0] * n)
-        tensors = job.tensors
-        by_id = job.by_staged_id
-        for i, (cap, _) in enumerate(pending):
-            cap.entry = first + i
-            tensors.append(cap)
-            by_id[id(cap.staged)] = cap
+        for i, source in batch.cuda:
+            devices[i], events[i] = self._cuda_source(job, source)
+        first = self._engine.add_entries(job.engine_job, batch.names, batch.srcs, batch.sizes,
+                                         devices, events, [0] * n)
+        if first:  # a fresh job numbers from 0; kept correct should that ever change
+            for cap in batch.caps:
+                cap.entry += first
+        job.tensors.extend(batch.caps)
+        job.by_staged_id.update(batch.by_id)
 
     def _cuda_source(self, job: SaveJob, source: torch.Tensor) -> tuple[int, int]:
         """(device ordinal, ready event) of a CUDA source: an event recorded now on its stream."""
@@ -493,7 +518,7 @@ class Stager:
         job.keepalive.append(ev)
         return device, int(ev.cuda_event)
 
-    def _capture(self, job: SaveJob, pending: list[_Pending]) -> None:
+    def _capture(self, job: SaveJob, batch: _Batch) -> None:
         """Takes the at-call snapshots, then leaves the rest to the background copies."""
         eng = self._engine
         cache = eng.cache_bytes
@@ -505,24 +530,27 @@ class Stager:
             return c.nbytes + nchunks * 4096
 
         overflow: list[str] = []
-        for cap, at_call in pending:
-            if at_call == "ref":  # incremental: referenced, neither copied nor written
-                eng.skip(job.engine_job, cap.entry)
-                cap.at_call = True
-                cap.source = _RELEASED  # cap.incr keeps the tensor for a fallback write
-        must = [cap for cap, at_call in pending if at_call == "must"]
+        for cap in batch.ref:  # incremental: referenced, neither copied nor written
+            eng.skip(job.engine_job, cap.entry)
+            cap.at_call = True
+            cap.source = _RELEASED  # cap.incr keeps the tensor for a fallback write
+        must = batch.must
         # State that must be taken now first: one native call copies all that fits right now
         # (GIL released), then what did not fit may wait for space, or spill.
         taken_now = eng.capture_now_many(job.engine_job, [cap.entry for cap in must])
         left: list[CapturedTensor] = []
+        released = _RELEASED
         for cap, taken in zip(must, taken_now, strict=True):
             if taken:
-                reserved += footprint(cap)
                 cap.lazy = False
                 cap.at_call = True
-                cap.source = _RELEASED  # the cache holds it; the caller may change it now
+                cap.source = released  # the cache holds it; the caller may change it now
             else:
                 left.append(cap)
+        if left:  # what the taken ones hold of the cache (they drain only after placement)
+            reserved = sum(
+                footprint(cap) for cap, taken in zip(must, taken_now, strict=True) if taken
+            )
         for cap in left:
             need = footprint(cap)
             may_wait = reserved + need + chunk <= cache
@@ -552,9 +580,8 @@ class Stager:
                     continue
             self._make_lazy(job, cap)
         # Then what may be lazy: the background copies take it.
-        for cap, at_call in pending:
-            if at_call == "no":
-                self._make_lazy(job, cap)
+        for cap in batch.lazy:
+            self._make_lazy(job, cap)
         if overflow and not self._warned_overflow:
             self._warned_overflow = True
             logger.warning(

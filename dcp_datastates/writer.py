@@ -106,6 +106,7 @@ from .jobs import (
 from .layout import TemplateCache
 from .placement import Placer
 from .planner import share_equal_values
+from .release import DeferredRelease
 from .tiers import Promoter, attach_persist_stats
 
 logger = logging.getLogger(__name__)
@@ -328,6 +329,8 @@ class DataStatesWriter(StorageWriter):
             self._engine, self._templates, self._stager, self.config, self._incremental
         )
         self._table = JobTable(self._engine)  # jobs in flight, their order, failures, stats
+        # async_save results (Metadata) freed on a save thread, not the caller's (release.py)
+        self._released = DeferredRelease()
         self._lock = self._table.lock  # also guards _protects
         self._protects: list[ProtectHandle] = []
         self._tls = threading.local()  # per save thread: its context holder and job binding
@@ -490,6 +493,7 @@ class DataStatesWriter(StorageWriter):
             self._protects.clear()
             self._closed = True
         barrier.unregister_writer(self)
+        self._released.clear()
         self._engine.close()
 
     def __enter__(self) -> DataStatesWriter:
@@ -657,6 +661,8 @@ class DataStatesWriter(StorageWriter):
             # training runs. dcp.save keeps the pause to the end of finish(): the plan's objects
             # all die with the save, so a collection in between would only scan them.
             ctx.end_gc_pause()
+            # Results of earlier saves their caller dropped are freed here, not in the caller.
+            self._released.collect()
         if not ctx.use_collectives and ctx.path_key is None:
             self._claim_and_prepare(ctx)  # no global plan step (single rank): prepare here
         job = self._bind_job(ctx, plan, planner)
@@ -700,6 +706,8 @@ class DataStatesWriter(StorageWriter):
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
             ctx.directory().commit(metadata, self.config.durable)
             self._table.mark_committed(ctx.path, time.perf_counter())
+            if ctx.job is not None and not ctx.job.adhoc:
+                self._released.hold(metadata)  # async_save's result: see release.py
             if self._promoter is not None:
                 self._submit_promotion(ctx, len(results))
         finally:
