@@ -81,6 +81,9 @@ class CapturedTensor:
     incr: StageInfo | None = None  # incremental saves: identity, and the reference if unchanged
 
 
+_PAUSE_SWAP = threading.Lock()  # SaveJob.take_gc_pause
+
+
 @dataclass
 class SaveJob:
     """A staged save: its engine job, its tensors and its bookkeeping (one per save call)."""
@@ -147,8 +150,12 @@ class SaveJob:
             pause.end()
 
     def take_gc_pause(self) -> ProtocolPause | None:
-        """Hands the collector pause stage() began to the save thread (None if gone)."""
-        with self.lock:
+        """Hands the collector pause stage() began to the save thread (None if gone).
+
+        Not under ``self.lock``: the training thread may hold that lock while it waits for this
+        job's copies, which may need this save thread's flushes to free cache space.
+        """
+        with _PAUSE_SWAP:  # held for the swap only
             pause, self.gc_pause = self.gc_pause, None
         return pause
 
