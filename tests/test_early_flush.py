@@ -288,3 +288,29 @@ def test_a_save_failed_while_it_is_placed_early_reports_the_cause(
         timeout=HANG_S
     )
     assert_state_equal(_load(str(tmp_path / "c"), _state(9)), _state(9))
+
+
+def test_placed_as_dcp_starts_the_save_before_it_sets_the_writer_up(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    # The save thread binds its job when DCP first iterates the staged dict, right after
+    # reset(checkpoint_id): the tensors are placed (and flush) from there, not only once DCP has
+    # converted every top-level value and set its planner up.
+    seen: list[bool] = []
+    original = DataStatesWriter.set_up_storage_writer
+
+    def recording(self: DataStatesWriter, *args: Any, **kwargs: Any) -> None:
+        job = self._table.job_of_thread(threading.get_ident())
+        seen.append(job is not None and job.early is not None)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DataStatesWriter, "set_up_storage_writer", recording)
+    sd = _state(3)
+    with DataStatesWriter(str(tmp_path), host_cache_size="64MiB") as w:
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "a")).result(HANG_S)
+        dcp.save(sd, storage_writer=w, checkpoint_id=str(tmp_path / "b"))  # nothing staged
+    assert seen == [True, False]
+    for name in ("a", "b"):
+        out = zeros_like_state(sd)
+        dcp.load(out, checkpoint_id=str(tmp_path / name))
+        assert_state_equal(sd, out)
