@@ -4,8 +4,9 @@ Why: DCP hands a storage writer its items only in ``write_data``, after planning
 for 6,000 items on 2 cores). Placement (which file, which offset) used to wait for that, so the
 first byte reached the disk only after the at-call copy *and* the planning: a serial prefix that
 kept a 2 GB save 0.5 s behind ``torch.save``. DataStates places at the save call. Here, when the
-save thread begins (``set_up_storage_writer``, once the save's path is known and earlier saves
-have ended), every tensor the save staged is placed in this rank's data files in copy order,
+save thread begins (when DCP's ``save`` first iterates the staged dict, right after ``reset``
+gave it the path, once earlier saves have ended; failing that in ``set_up_storage_writer``),
+every tensor the save staged is placed in this rank's data files in copy order,
 and the flush threads write each chunk as soon as it lands, while DCP plans.
 
 The data files are *unnamed* (``O_TMPFILE``, created in the checkpoint directory or its nearest
