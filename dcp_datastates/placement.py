@@ -66,19 +66,24 @@ class Placer:
         self.config = config
         self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
 
-    def place_early(self, ctx: SaveContext, job: SaveJob) -> None:
-        """Places a staged job's tensors before DCP plans, so they flush during the planning
-        (:mod:`dcp_datastates.early`: one rank, local directories, the torch format, not
-        incremental). Runs in the save thread, before any collective; never raises for a
-        file system that cannot do it (the job is then placed in :meth:`write`)."""
-        if (
+    def early_applies(self, job: SaveJob) -> bool:
+        """Whether :meth:`place_early` would place ``job`` (the conditions of
+        :mod:`dcp_datastates.early`, apart from the file system's)."""
+        return not (
             not self.config.early_flush
             or job.adhoc
             or job.error is not None
             or self.config.format != "torch"
             or self._incremental is not None
             or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-        ):
+        )
+
+    def place_early(self, ctx: SaveContext, job: SaveJob) -> None:
+        """Places a staged job's tensors before DCP plans, so they flush during the planning
+        (:mod:`dcp_datastates.early`: one rank, local directories, the torch format, not
+        incremental). Runs in the save thread, before any collective; never raises for a
+        file system that cannot do it (the job is then placed in :meth:`write`)."""
+        if not self.early_applies(job):
             return
         try:
             job.early = place_early(

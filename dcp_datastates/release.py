@@ -39,7 +39,7 @@ SLICE_ITEMS = 1000  # dictionary entries freed between two releases of the GIL
 
 
 class _Probe:
-    """A control object held exactly like the objects we hold (see ``_unreferenced``)."""
+    """A control object held exactly like the objects we hold (see ``_probe_refcounts``)."""
 
     def __init__(self) -> None:
         self.d: dict[Any, Any] = {}

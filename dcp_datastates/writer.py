@@ -583,15 +583,14 @@ class DataStatesWriter(StorageWriter):
             or not ctx.path
             or job.checkpoint_id != ctx.path
             or job.rank != 0
-            or not self.config.early_flush
-            or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+            or not self._placer.early_applies(job)
         ):
             return
         try:
             # Its turn first, as in set_up_storage_writer (no collector pause spans the wait).
             self._table.wait_turn(job, before_waiting=job.end_gc_pause)
-            if job.error is None and job.early is None:
-                self._placer.place_early(ctx, job)
+            if job.early is None:
+                self._placer.place_early(ctx, job)  # checks again: the job may have failed
         except Exception as e:  # noqa: BLE001 - set_up_storage_writer places (and raises)
             logger.debug("early placement at bind time skipped for %s: %s", ctx.path, e)
 
