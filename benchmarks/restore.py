@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", type=int, default=0, help="extra tiny tensors (per-item cost)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="where the load targets live: cpu or cuda")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     sd: dict[str, Any] = {f"w{i}": torch.randn(numel, generator=g) for i in range(count)}
     sd.update({f"s{i}": torch.randn(4, generator=g) for i in range(a.small)})
     state = {"model": sd}
-    dest = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}}
+    dev = torch.device(a.device)
+    dest = {"model": {k: torch.zeros_like(v, device=dev) for k, v in sd.items()}}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         root = os.path.join(d, "ckpt")
         w = DataStatesWriter(root, host_cache_size=f"{min(4096, a.total_mib + 64)}MiB")
@@ -68,18 +70,23 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("stock", "datastates"):
                 for t in dest["model"].values():
                     t.zero_()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 evict(root)
                 reader = None if name == "stock" else DataStatesReader(root, threads=a.threads)
                 t0 = time.perf_counter()
                 dcp.load(dest, storage_reader=reader, checkpoint_id=root, no_dist=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
                 for k, v in sd.items():
-                    if not torch.equal(dest["model"][k], v):
+                    if not torch.equal(dest["model"][k].cpu(), v):
                         raise SystemExit(f"{name}: '{k}' differs after load")
         total_bytes = sum(v.nbytes for v in sd.values())
     med = {k: statistics.median(v) for k, v in times.items()}
     doc = {
         "command": " ".join(["python -m benchmarks.restore", *(argv or sys.argv[1:])]),
+        "device": str(dev),
         "bytes": total_bytes,
         "tensors": len(sd),
         "load_s": times,

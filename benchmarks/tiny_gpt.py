@@ -46,6 +46,10 @@ PRESETS: dict[str, GPTConfig] = {
     "medium": GPTConfig(
         n_layer=6, n_head=8, n_embd=512, vocab_size=16384, block_size=128, batch_size=8
     ),
+    # ~185 M parameters (~2.2 GB checkpoint with AdamW state), batch 16 x 512 tokens: for GPUs.
+    "large": GPTConfig(
+        n_layer=12, n_head=16, n_embd=1024, vocab_size=32768, block_size=512, batch_size=16
+    ),
 }
 
 

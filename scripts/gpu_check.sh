@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared run for a machine with a CUDA device (docs/architecture.md,
+# "CUDA path"; docs/benchmarks.md, "GPU"). Builds the engine against that machine's python3 and
+# torch (no network needed: pybind11, scikit-build-core, cmake and ninja must be installed), then
+#   1. the CUDA tests (tests/test_gpu.py against the real driver, tests/test_cuda_sim.py),
+#   2. the GPT training loop on the GPU: end-to-end cost per checkpoint of the plain call against
+#      dcp.save, async_save + DefaultStager (pinned) and plain async_save,
+#   3. restore into GPU tensors from a cold page cache, our reader against the stock one,
+#   4. a synthetic 2 GB save from GPU tensors: blocked and until-durable times.
+# Everything goes to $OUT (default ./gpu-out): log.txt and results.tgz. The whole run keeps to
+# GPU_CHECK_BUDGET_S seconds (default 400): each step gets at most what is left, and a failing
+# step does not stop the next. GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 dry-runs the commands here.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+DEV="${GPU_CHECK_DEVICE:-cuda}"
+QUICK="${GPU_CHECK_QUICK:-0}"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+DEADLINE=$(($(date +%s) + ${GPU_CHECK_BUDGET_S:-400}))
+exec > >(tee -a "$OUT/log.txt") 2>&1
+
+# step NAME LIMIT_S CMD...: runs CMD with at most min(LIMIT_S, time left), output in the log
+step() {
+  local name=$1 limit=$2 left t0 rc
+  shift 2
+  left=$((DEADLINE - $(date +%s) - 10))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "=== $name: skipped, no time left"
+    return 0
+  fi
+  echo "=== $name (limit ${limit}s) at $(date +%T)"
+  t0=$(date +%s)
+  timeout -k 5 "$limit" "$@"
+  rc=$?
+  echo "=== $name: rc=$rc in $(($(date +%s) - t0))s"
+}
+
+echo "=== machine"
+nvidia-smi -L 2>&1 | head -4
+nproc
+free -g | head -2
+df -h "$WORK" | tail -1
+"$PY" -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+torch.cuda.is_available() and torch.cuda.get_device_name(0))'
+
+build() {
+  if "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5 \
+    && "$PY" -c 'import dcp_datastates._core'; then
+    return 0
+  fi
+  echo "pip editable build failed; building with cmake"
+  cmake -S . -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
+    -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v "$PY")" \
+    >/dev/null && cmake --build "$WORK/build" -j "$(nproc)" >/dev/null \
+    && cp "$WORK"/build/_core*.so dcp_datastates/ && "$PY" -c 'import dcp_datastates._core'
+}
+export -f build
+export PY WORK
+step build 150 bash -c build
+"$PY" - <<'PY'
+import torch
+from dcp_datastates.engine import loaded_cuda_runtime
+if torch.cuda.is_available():
+    torch.cuda.init()
+print("libcudart:", loaded_cuda_runtime() or "(none mapped)")
+PY
+
+tests="test_gpu.py test_cuda_sim.py"
+[ "$QUICK" = "1" ] && tests="test_gpu.py"
+# shellcheck disable=SC2086
+step tests 170 bash -c "cd tests && $PY -m pytest -c ../pyproject.toml --rootdir .. -v -s \
+  -p no:cacheprovider --timeout 150 -o timeout_method=thread $tests 2>&1 | grep -v '^$'"
+
+if [ "$QUICK" = "1" ]; then
+  gpt=(--gpt tiny --ckpt-every 2 --iters 4 --warmup 1 --repeats 1 --disk-probe 64MiB)
+  restore=(--total-mib 64 --tensor-mib 8 --rounds 1)
+  synth=(--synthetic 24MB:mixed --repeats 1 --disk-probe 64MiB)
+else
+  gpt=(--gpt large --ckpt-every 5 --iters 10 --warmup 2 --repeats 2 --disk-probe 1GiB)
+  restore=(--total-mib 2048 --tensor-mib 64 --rounds 2)
+  synth=(--synthetic 2GB:mixed --repeats 2 --saves 2 --disk-probe 1GiB)
+fi
+export BENCH_DIR="$WORK"
+step train 150 "$PY" -m benchmarks.run --device "$DEV" "${gpt[@]}" --scenarios gpt \
+  --contenders ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async --dir "$WORK/ckpt" \
+  --out "$WORK/results/train"
+step restore 60 "$PY" -m benchmarks.restore --device "$DEV" "${restore[@]}" \
+  --out "$WORK/results/restore.json"
+step synthetic 120 "$PY" -m benchmarks.run --device "$DEV" "${synth[@]}" --scenarios synthetic \
+  --contenders torch_save,dcp_fs_tN,dcp_async_stager,ds_async --dir "$WORK/ckpt" \
+  --out "$WORK/results/synthetic"
+
+for f in "$WORK"/results/*/*.md; do
+  [ -f "$f" ] && { echo "=== $f"; cat "$f"; }
+done
+tar -C "$WORK" -czf "$OUT/results.tgz" results 2>/dev/null
+rm -rf "$WORK"
+echo "=== done at $(date +%T)"
