@@ -61,6 +61,10 @@ build() {
 export -f build
 export PY WORK
 step build 150 bash -c build
+if ! "$PY" -c 'import dcp_datastates._core' 2>/dev/null; then
+  echo "=== the engine did not build: nothing else can run"
+  exit 1
+fi
 "$PY" - <<'PY'
 import torch
 from dcp_datastates.engine import loaded_cuda_runtime
@@ -86,12 +90,12 @@ else
 fi
 export BENCH_DIR="$WORK"
 step train 150 "$PY" -m benchmarks.run --device "$DEV" "${gpt[@]}" --scenarios gpt \
-  --contenders ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async --dir "$WORK/ckpt" \
+  --contenders "${GPU_CHECK_TRAIN:-ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async}" --dir "$WORK/ckpt" \
   --out "$WORK/results/train"
 step restore 60 "$PY" -m benchmarks.restore --device "$DEV" "${restore[@]}" \
   --out "$WORK/results/restore.json"
 step synthetic 120 "$PY" -m benchmarks.run --device "$DEV" "${synth[@]}" --scenarios synthetic \
-  --contenders torch_save,dcp_fs_tN,dcp_async_stager,ds_async --dir "$WORK/ckpt" \
+  --contenders "${GPU_CHECK_SYNTH:-torch_save,dcp_fs_tN,dcp_async_stager,ds_async}" --dir "$WORK/ckpt" \
   --out "$WORK/results/synthetic"
 
 for f in "$WORK"/results/*/*.md; do

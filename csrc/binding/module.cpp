@@ -3,6 +3,7 @@
 // Rules: every call that can block (waits, allocation, file opens, close) releases the GIL; the
 // engine's own threads never touch Python; arguments are plain values (addresses, sizes, paths).
 // Every EngineError becomes dcp_datastates._core.EngineError (a RuntimeError).
+#include <cstring>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

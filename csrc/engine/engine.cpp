@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include "crc32c.hpp"
 #include "error.hpp"

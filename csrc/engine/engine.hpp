@@ -49,6 +49,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda_runtime.hpp"

@@ -6,6 +6,7 @@
 // and where in the engine (file:line).
 #pragma once
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
+#include <utility>
 
 #include "crc32c.hpp"
 #include "error.hpp"

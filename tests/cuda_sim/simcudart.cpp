@@ -42,6 +42,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -52,6 +53,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace {
 
