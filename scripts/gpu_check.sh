@@ -3,10 +3,12 @@
 # "CUDA path"; docs/benchmarks.md, "GPU"). Builds the engine against that machine's python3 and
 # torch (no network needed: pybind11, scikit-build-core, cmake and ninja must be installed), then
 #   1. the CUDA tests (tests/test_gpu.py against the real driver, tests/test_cuda_sim.py),
-#   2. the GPT training loop on the GPU: end-to-end cost per checkpoint of the plain call against
+#   2. device-to-host capture speed: the engine against pinned copy_(non_blocking) and
+#      DefaultStager (benchmarks/d2h.py), for many tensors (2GB:mixed) and few (2GB:large),
+#   3. the GPT training loop on the GPU: end-to-end cost per checkpoint of the plain call against
 #      dcp.save, async_save + DefaultStager (pinned) and plain async_save,
-#   3. restore into GPU tensors from a cold page cache, our reader against the stock one,
-#   4. a synthetic 2 GB save from GPU tensors: blocked and until-durable times.
+#   4. restore into GPU tensors from a cold page cache, our reader against the stock one,
+#   5. a synthetic 1 GB save from GPU tensors: blocked and until-durable times.
 # Everything goes to $OUT (default ./gpu-out): log.txt and results.tgz. The whole run keeps to
 # GPU_CHECK_BUDGET_S seconds (default 400): each step gets at most what is left, and a failing
 # step does not stop the next. GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 dry-runs the commands here.
@@ -80,22 +82,31 @@ step tests 170 bash -c "cd tests && $PY -m pytest -c ../pyproject.toml --rootdir
   -p no:cacheprovider --timeout 150 -o timeout_method=thread $tests 2>&1 | grep -v '^$'"
 
 if [ "$QUICK" = "1" ]; then
+  d2h=(--rounds 1)
+  d2h_states="24MB:mixed"
   gpt=(--gpt tiny --ckpt-every 2 --iters 4 --warmup 1 --repeats 1 --disk-probe 64MiB)
   restore=(--total-mib 64 --tensor-mib 8 --rounds 1)
   synth=(--synthetic 24MB:mixed --repeats 1 --disk-probe 64MiB)
 else
+  d2h=(--rounds 3)
+  d2h_states="2GB:mixed 2GB:large"
   gpt=(--gpt large --ckpt-every 5 --iters 10 --warmup 2 --repeats 2 --disk-probe 1GiB)
   restore=(--total-mib 2048 --tensor-mib 64 --rounds 2)
-  synth=(--synthetic 2GB:mixed --repeats 2 --saves 2 --disk-probe 1GiB)
+  synth=(--synthetic 1GB:mixed,512MB:large --repeats 1 --saves 2 --disk-probe 1GiB)
 fi
 export BENCH_DIR="$WORK"
+mkdir -p "$WORK/results"
+for st in $d2h_states; do
+  step "d2h-$st" 60 "$PY" -m benchmarks.d2h --device "$DEV" --state "$st" "${d2h[@]}" \
+    --out "$WORK/results/d2h-${st//:/-}.json"
+done
 step train 150 "$PY" -m benchmarks.run --device "$DEV" "${gpt[@]}" --scenarios gpt \
   --contenders "${GPU_CHECK_TRAIN:-ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async}" --dir "$WORK/ckpt" \
   --out "$WORK/results/train"
 step restore 60 "$PY" -m benchmarks.restore --device "$DEV" "${restore[@]}" \
   --out "$WORK/results/restore.json"
 step synthetic 120 "$PY" -m benchmarks.run --device "$DEV" "${synth[@]}" --scenarios synthetic \
-  --contenders "${GPU_CHECK_SYNTH:-torch_save,dcp_fs_tN,dcp_async_stager,ds_async}" --dir "$WORK/ckpt" \
+  --contenders "${GPU_CHECK_SYNTH:-torch_save,dcp_fs_tN,ds_async}" --dir "$WORK/ckpt" \
   --out "$WORK/results/synthetic"
 
 for f in "$WORK"/results/*/*.md; do

@@ -11,6 +11,7 @@ skipped with a reason instead of failing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -253,3 +254,22 @@ def test_scale_out_quick(tmp_path: Path) -> None:
             c = res["by_world"][w][name]
             assert len(c["saves"]) == res["config"]["saves"]
             assert 0 <= c["call_s"] <= c["durable_s"] and c["plan_s"] >= 0
+
+
+def test_d2h_runs_every_contender_on_cpu(tmp_path: Path) -> None:
+    """benchmarks.d2h (the GPU capture-speed benchmark) on a CPU state: every contender timed,
+    the reference ratio of pinned_copy is 1, no contender failed."""
+    out = tmp_path / "d2h.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "d2h.py"), "--device", "cpu", "--state",
+         "8MB:mixed", "--rounds", "2", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,  # the installed package
+        env={**os.environ, "BENCH_DIR": str(tmp_path)},
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = _strict_json(out)
+    assert res["errors"] == {}
+    assert set(res["times_s"]) == {"pinned_copy", "default_stager", "datastates"}
+    assert all(len(v) == 2 and min(v) > 0 for v in res["times_s"].values())
+    assert res["x_pinned_copy"]["pinned_copy"] == 1.0
+    assert res["bytes"] >= 8 * 10**6 * 0.99

@@ -1,0 +1,136 @@
+"""Capture speed from device tensors into host memory: the engine against torch's own copies.
+
+For one state dict on ``--device`` (``cuda``, or ``cpu`` for a dry run), interleaved over
+``--rounds``, each contender copies every tensor into host memory and waits for the last byte:
+
+* ``pinned_copy``: ``dst.copy_(src, non_blocking=True)`` into preallocated pinned buffers, then one
+  ``torch.cuda.synchronize()``: the peak torch reaches on this machine (no checkpoint at all);
+* ``default_stager``: torch's ``DefaultStager`` (pinned memory, non-blocking copies, the staging
+  buffers reused from the first round on): ``stage()`` until its future is done;
+* ``datastates``: ``dcp.async_save`` with ``DataStatesWriter`` (a cache that fits) until
+  ``wait_captured()``: what the step barrier waits for (the flush to disk is waited for
+  afterwards, outside the timing).
+
+The state is the harness's synthetic one (``benchmarks.workloads``, e.g. ``2GB:mixed``: 5,732
+tensors, per-tensor costs show; ``512MB:large``: 4 tensors, bandwidth shows). Prints (or writes
+with --out) one JSON object with each contender's times, median GB/s and its ratio to
+``pinned_copy``.
+
+    python -m benchmarks.d2h --device cuda --state 2GB:mixed --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository goes last (see benchmarks/run.py)
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    if os.path.dirname(_HERE) not in sys.path:
+        sys.path.append(os.path.dirname(_HERE))
+
+MiB = 1024 * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--state", default="2GB:mixed", help="synthetic state SIZE:MIX")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--contenders", default="pinned_copy,default_stager,datastates")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from benchmarks.workloads import SyntheticSpec, synthetic_state_dict
+    from dcp_datastates import DataStatesWriter
+
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    state = synthetic_state_dict(SyntheticSpec.parse(a.state), dev)
+    nbytes = sum(t.nbytes for t in state.values())
+    names = [c for c in a.contenders.split(",") if c]
+    times: dict[str, list[float]] = {c: [] for c in names}
+    errors: dict[str, str] = {}
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in state.items()}
+    stager: Any = None
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        writer = DataStatesWriter(os.path.join(d, "w"), host_cache_size=f"{nbytes // MiB + 256}MiB")
+        try:
+            for r in range(a.rounds):
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    if name in errors:
+                        continue
+                    sync()
+                    t0 = time.perf_counter()
+                    try:
+                        if name == "pinned_copy":
+                            for k, v in state.items():
+                                pinned[k].copy_(v, non_blocking=cuda)
+                            sync()
+                        elif name == "default_stager":
+                            from torch.distributed.checkpoint.staging import (
+                                DefaultStager,
+                                StagingOptions,
+                            )
+
+                            if stager is None:
+                                stager = DefaultStager(StagingOptions(
+                                    use_pinned_memory=cuda, use_shared_memory=False,
+                                    use_async_staging=True, use_non_blocking_copy=cuda))
+                            out = stager.stage(state)
+                            if hasattr(out, "result"):
+                                out.result()
+                            sync()
+                        elif name == "datastates":
+                            fut = dcp.async_save(state, storage_writer=writer,
+                                                 checkpoint_id=os.path.join(d, f"c{r}"))
+                            writer.wait_captured()
+                        else:
+                            raise ValueError(f"unknown contender {name!r}")
+                        times[name].append(time.perf_counter() - t0)
+                        if name == "datastates":
+                            fut.result()
+                    except Exception as e:  # noqa: BLE001 - a contender's failure is a result
+                        errors[name] = f"{type(e).__name__}: {e}"[:500]
+        finally:
+            writer.close()
+            if stager is not None:
+                stager.close()
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    peak = med.get("pinned_copy")
+    doc = {
+        "command": " ".join(["python -m benchmarks.d2h", *(argv if argv is not None
+                                                          else sys.argv[1:])]),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "torch": torch.__version__,
+        "bytes": nbytes,
+        "tensors": len(state),
+        "times_s": times,
+        "median_s": med,
+        "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "x_pinned_copy": {k: peak / v for k, v in med.items()} if peak else {},
+        "errors": errors,
+    }
+    text = json.dumps(doc, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
