@@ -311,6 +311,37 @@ def test_jobs_in_flight_on_two_devices_through_a_small_cache(
     assert_released(sim)
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_copies_of_a_job_are_waited_for_in_batches(
+    sim: Sim, tmp_path: Path, copy_threads: int
+) -> None:
+    """A copy thread issues the chunks of a job queued one behind the other on its stream and
+    waits once per batch (one event), not once per chunk: 100 small tensors and one of 16 chunks
+    through a cache of 4 chunks. Batches end where free cache space ends; every chunk still
+    waits for the event recorded at the save call; every byte lands where placed."""
+    eng = make_engine(sim, cache=256 << 10, chunk=64 << 10, copy_threads=copy_threads)
+    compute = sim.stream()
+    gate = sim.gate(compute)
+    devs = [np.zeros(4096, np.uint8) for _ in range(100)] + [np.zeros(1 << 20, np.uint8)]
+    wants = [pattern(d.nbytes, 100 + i) for i, d in enumerate(devs)]
+    for d, w in zip(devs, wants, strict=True):
+        sim.host_write(compute, d, w)
+    ready = sim.event()
+    sim.record(ready, compute)
+    records0 = sim.count("calls:cudaEventRecord")
+    job, offs = save(eng, tmp_path / "b.bin", [(f"t{i}", d, 0, ready) for i, d in enumerate(devs)])
+    assert not eng.wait_captured(job, 0.2)  # held by the compute stream, batched or not
+    sim.open_gate(gate)
+    assert eng.wait_done(job, TIMEOUT_S)
+    assert_file(tmp_path / "b.bin", offs, wants)
+    chunks = 100 + 16
+    waits = sim.count("calls:cudaEventRecord") - records0
+    assert -(-chunks // 32) <= waits <= chunks // 4, waits
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
+
+
 def test_wait_captured_waits_for_exactly_its_own_copies(sim: Sim, tmp_path: Path) -> None:
     eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=2)
     compute = sim.stream()
@@ -430,8 +461,10 @@ def test_failing_call_fails_the_job_and_the_engine_goes_on(
     name = "model.layers.3.weight"
     compute = sim.stream()
     ready = sim.event()
-    # One copy thread: no other copy of the job delays its completion past the failed one's.
-    eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=1)
+    # One copy thread: no other copy of the job delays its completion past the failed one's. A
+    # cache of 3 chunks: the 8 chunks go in batches of 3, 3 and 2 (one event record and wait per
+    # batch), so the third call of each entry point comes with copies in flight.
+    eng = make_engine(sim, cache=192 << 10, chunk=64 << 10, copy_threads=1)
     dev, want = np.zeros(512 << 10, np.uint8), pattern(512 << 10, 5)
     sim.host_write(compute, dev, want, delay_s=0.01)
     sim.record(ready, compute)
@@ -490,17 +523,19 @@ def test_device_fault_fails_cuda_jobs_and_host_jobs_go_on(sim: Sim, tmp_path: Pa
 def test_close_with_copies_in_flight(sim: Sim) -> None:
     """close() waits for the copies already issued (they write into the cache it frees), drops
     those not issued, and leaves no stream, event or registration behind."""
-    eng = make_engine(sim, cache=1 << 20, chunk=64 << 10, copy_threads=2)
+    # a cache of 4 chunks: at most 4 of the 16 chunks can be issued (in batches) before close
+    eng = make_engine(sim, cache=256 << 10, chunk=64 << 10, copy_threads=2)
     compute = sim.stream()
     gate = sim.gate(compute)
     ready = sim.event()
     sim.record(ready, compute)
     dev = pattern(1 << 20, 9)  # 16 chunks
     syncs = sim.count("calls:cudaEventSynchronize")
+    copies0 = sim.count("calls:cudaMemcpyAsync")
     job = eng.create_job("in flight")
     eng.add_entry(job, "w", dev.ctypes.data, dev.nbytes, 0, ready)
     eng.start_copies(job)
-    sim.wait_count("calls:cudaEventSynchronize", syncs + 2)  # both copy threads issued a copy
+    sim.wait_count("calls:cudaEventSynchronize", syncs + 1)  # a batch was issued and waits
     closer = threading.Thread(target=eng.close, daemon=True)
     closer.start()
     closer.join(0.2)
@@ -509,7 +544,9 @@ def test_close_with_copies_in_flight(sim: Sim) -> None:
     sim.open_gate(gate)
     closer.join(TIMEOUT_S)
     assert not closer.is_alive(), "Engine.close() hung"
-    assert sim.count("copies") == 2  # the 14 chunks not yet issued were dropped
+    issued = sim.count("calls:cudaMemcpyAsync") - copies0
+    assert 1 <= issued <= 4
+    assert sim.count("copies") == issued  # the chunks not yet issued were dropped
     assert_released(sim)
 
 

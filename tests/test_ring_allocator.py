@@ -49,6 +49,31 @@ def test_alignment_and_errors() -> None:
         r.release(12345)
 
 
+def test_try_allocate_with_ticket_keeps_the_line() -> None:
+    """A ticket is served only when it is first in line and the request fits; a failed try keeps
+    it in line (later served by allocate_with_ticket), and nobody overtakes it meanwhile."""
+    r = _core.RingAllocator(300)
+    t1, t2 = r.take_ticket(), r.take_ticket()
+    assert r.try_allocate_with_ticket(t2, 100, 1) is None  # t1 is first in line
+    assert r.try_allocate(100, 1) is None  # an untracked request never overtakes a ticket
+    assert r.try_allocate_with_ticket(t1, 200, 1) == 0
+    assert r.try_allocate_with_ticket(t2, 200, 1) is None  # first now, but 100 bytes left
+    t3 = r.take_ticket()
+    assert r.try_allocate_with_ticket(t3, 50, 1) is None  # t2 still waits ahead of it
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(r.allocate_with_ticket(t2, 200, 1)))
+    waiter.start()
+    time.sleep(0.05)
+    assert not got
+    r.release(0)
+    waiter.join(5)
+    assert got == [0]
+    assert r.try_allocate_with_ticket(t3, 50, 1) == 200
+    with pytest.raises(_core.EngineError, match="exceeds the host cache"):
+        r.try_allocate_with_ticket(r.take_ticket(), 301, 1)
+    assert r.try_allocate_with_ticket(r.take_ticket(), 10, 1) == 250  # the line moved on
+
+
 def test_blocking_allocate_waits_for_release() -> None:
     r = _core.RingAllocator(100)
     a = r.allocate(100, 1)

@@ -175,6 +175,16 @@ PYBIND11_MODULE(_core, m) {
             return r.allocate(bytes, align);
           },
           py::arg("bytes"), py::arg("align") = 64)
+      .def("take_ticket", &RingAllocator::take_ticket)
+      .def(
+          "allocate_with_ticket",
+          [](RingAllocator& r, std::uint64_t ticket, std::size_t bytes, std::size_t align) {
+            py::gil_scoped_release nogil;
+            return r.allocate_with_ticket(ticket, bytes, align);
+          },
+          py::arg("ticket"), py::arg("bytes"), py::arg("align") = 64)
+      .def("try_allocate_with_ticket", &RingAllocator::try_allocate_with_ticket,
+           py::arg("ticket"), py::arg("bytes"), py::arg("align") = 64)
       .def("release", &RingAllocator::release, py::arg("offset"),
            py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &RingAllocator::shutdown)

@@ -588,12 +588,14 @@ void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uin
 }
 
 bool Engine::pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes,
-                             std::uint64_t& ticket, bool host_only) {
+                             std::uint64_t& ticket, int only_device, const Job* only_job) {
   while (!copy_queue_.empty()) {
     const CopyTask front = copy_queue_.front();
     auto it = jobs_.find(front.job);
-    if (it != jobs_.end() && host_only && it->second->entries[front.entry].device >= 0)
-      return false;  // a CUDA copy: left to the copy threads and their streams
+    if (it != jobs_.end() && only_device != kAnyDevice &&
+        it->second->entries[front.entry].device != only_device)
+      return false;  // another device's copy (for the helper: left to the copy threads)
+    if (only_job != nullptr && (it == jobs_.end() || it->second.get() != only_job)) return false;
     copy_queue_.pop_front();
     if (it == jobs_.end()) continue;
     Chunk& c = it->second->entries[front.entry].chunks[front.chunk];
@@ -619,13 +621,18 @@ void Engine::copy_loop(int /*index*/) {
     std::uint64_t ticket = 0;
     Job* job = nullptr;
     std::size_t bytes = 0;
+    int device = kHostDevice;
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [&] { return stop_ || (!paused_ && !copy_queue_.empty()); });
       if (stop_) break;
-      if (!pop_copy_locked(task, job, bytes, ticket, /*host_only=*/false)) continue;
+      if (!pop_copy_locked(task, job, bytes, ticket, kAnyDevice)) continue;
+      device = job->entries[task.entry].device;
     }
-    run_copy(task, job, bytes, ticket, cuda_res, current_device);
+    if (device >= 0)
+      run_cuda_copies(task, job, bytes, ticket, device, cuda_res, current_device);
+    else
+      run_copy(task, job, bytes, ticket, cuda_res, current_device);
   }
   for (auto& kv : cuda_res) {
     cuda_->destroy_event(kv.second.second);
@@ -675,34 +682,143 @@ void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::ui
     }
   }
   const double t1 = now_s();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = job->entries[task.entry];
-    Chunk& c = e.chunks[task.chunk];
-    job->stats.copy_busy_s += t1 - t0;
-    resolve_copy_locked(*job, c);
-    if (!off) {
-      c.state = ChunkState::kSkipped;  // cancelled: the job failed or the engine stopped
-      --job->outstanding;
+  std::lock_guard<std::mutex> lock(mu_);
+  land_copy_locked(task, *job, off, crc, crc_valid, error, t1 - t0);
+  state_cv_.notify_all();
+}
+
+void Engine::land_copy_locked(const CopyTask& task, Job& job,
+                              const std::optional<std::size_t>& off, std::uint32_t crc,
+                              bool crc_valid, const std::string& error, double busy_s) {
+  Entry& e = job.entries[task.entry];
+  Chunk& c = e.chunks[task.chunk];
+  job.stats.copy_busy_s += busy_s;
+  resolve_copy_locked(job, c);
+  if (!off) {
+    c.state = ChunkState::kSkipped;  // cancelled: the job failed or the engine stopped
+    --job.outstanding;
+  } else {
+    c.cache_offset = *off;
+    c.crc = crc;
+    c.crc_valid = crc_valid && error.empty();
+    c.state = ChunkState::kLanded;
+    if (!error.empty()) fail_locked(job, error);
+    if (job.failed.load() || e.placement == Placement::kSkip) {
+      if (c.state == ChunkState::kLanded) finish_chunk_locked(job, e, c, ChunkState::kSkipped);
     } else {
-      c.cache_offset = *off;
-      c.crc = crc;
-      c.crc_valid = crc_valid && error.empty();
-      c.state = ChunkState::kLanded;
-      if (!error.empty()) fail_locked(*job, error);
-      if (job->failed.load() || e.placement == Placement::kSkip) {
-        if (c.state == ChunkState::kLanded) finish_chunk_locked(*job, e, c, ChunkState::kSkipped);
-      } else {
-        job->stats.bytes_copied += c.bytes;
-        if (e.placement == Placement::kFile) {
-          c.state = ChunkState::kFlushing;
-          enqueue_flush_locked(FlushTask{FlushKind::kChunk, job->id, task.entry, task.chunk});
-        }
+      job.stats.bytes_copied += c.bytes;
+      if (e.placement == Placement::kFile) {
+        c.state = ChunkState::kFlushing;
+        enqueue_flush_locked(FlushTask{FlushKind::kChunk, job.id, task.entry, task.chunk});
       }
     }
-    maybe_finalize_locked(*job);
-    state_cv_.notify_all();
   }
+  maybe_finalize_locked(job);
+}
+
+void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::uint64_t ticket,
+                             int device, CudaResources& cuda_res, int& current_device) {
+  // A copy issued on this thread's stream and not yet waited for.
+  struct Issued {
+    CopyTask task;
+    Job* job;
+    std::optional<std::size_t> off;
+    std::string error;
+  };
+  std::vector<Issued> batch;
+  CudaRuntime::Stream stream = nullptr;
+  CudaRuntime::Event done = nullptr;
+  double t0 = now_s();
+
+  // Waits for every copy of the batch (one event after the last), then lands them all. A failed
+  // wait fails every chunk of the batch; the stream is drained first, so no copy can still land
+  // in cache space that is released.
+  auto complete = [&] {
+    std::string wait_error;
+    const bool issued = std::any_of(batch.begin(), batch.end(), [](const Issued& i) {
+      return i.off && i.error.empty();
+    });
+    if (issued) {
+      try {
+        cuda_->record_event(done, stream);
+        cuda_->synchronize_event(done);
+      } catch (const std::exception& ex) {
+        cuda_->try_synchronize_stream(stream);
+        wait_error = ex.what();
+      }
+    }
+    const double t1 = now_s();
+    const double busy = (t1 - t0) / static_cast<double>(batch.empty() ? 1 : batch.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Issued& i : batch) {
+      std::string error = i.error;
+      if (error.empty() && i.off && !wait_error.empty())
+        error = "copy of '" + i.job->entries[i.task.entry].name + "' failed: " + wait_error;
+      land_copy_locked(i.task, *i.job, i.off, 0, false, error, busy);
+    }
+    state_cv_.notify_all();
+    batch.clear();
+    t0 = t1;
+  };
+
+  for (;;) {
+    // Cache space, in ticket order: waited for only while no copy of this thread is unlanded.
+    std::atomic<bool>& failed = job->failed;
+    std::optional<std::size_t> off;
+    if (!batch.empty()) off = ring_.try_allocate_with_ticket(ticket, bytes, cache_align(bytes));
+    if (!off) {
+      if (!batch.empty()) complete();
+      off = ring_.allocate_with_ticket(ticket, bytes, cache_align(bytes),
+                                       [&] { return failed.load(); });
+    }
+    Issued cur{task, job, off, {}};
+    if (off) {
+      try {
+        std::unique_lock<std::mutex> lock(mu_);
+        const Entry& src = job->entries[task.entry];
+        const std::string name = src.name;  // entries may grow (and move) once unlocked
+        const auto* from = reinterpret_cast<const std::uint8_t*>(src.src) +
+                           src.chunks[task.chunk].entry_offset;
+        const std::uintptr_t ready = src.ready_event;
+        const std::size_t n = src.chunks[task.chunk].bytes;
+        lock.unlock();
+        try {
+          if (stream == nullptr) {
+            auto rit = cuda_res.find(device);
+            if (rit == cuda_res.end()) {
+              current_device = -1;  // unknown until create_copy_resources' set_device succeeds
+              rit = cuda_res.emplace(device, create_copy_resources(*cuda_, device)).first;
+              current_device = device;
+            }
+            stream = rit->second.first;
+            done = rit->second.second;
+          }
+          if (current_device != device) {
+            cuda_->set_device(device);
+            current_device = device;
+          }
+          maybe_delay(true);
+          // Ordered after the producer's work: the event was recorded on the compute stream at
+          // the save call, so the bytes copied are the ones of that moment.
+          if (ready != 0)
+            cuda_->stream_wait_event(stream, reinterpret_cast<CudaRuntime::Event>(ready));
+          cuda_->memcpy_d2h_async(cache_.data() + *off, from, n, stream);
+        } catch (const std::exception& ex) {
+          cur.error = "copy of '" + name + "' failed: " + ex.what();
+        }
+      } catch (const std::exception& ex) {
+        cur.error = std::string("copy failed: ") + ex.what();
+      }
+    }
+    const bool stop_here = !off || !cur.error.empty();
+    batch.push_back(std::move(cur));
+    if (stop_here || batch.size() >= kMaxCudaBatch) break;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_ || paused_ || !pop_copy_locked(task, job, bytes, ticket, device, job)) break;
+    }
+  }
+  complete();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1105,7 +1221,7 @@ bool Engine::help_until_captured(std::uint64_t job_id, double timeout_s) {
         check_failed_locked(waited);
         return true;
       }
-      if (stop_ || paused_ || !pop_copy_locked(task, job, bytes, ticket, /*host_only=*/true)) {
+      if (stop_ || paused_ || !pop_copy_locked(task, job, bytes, ticket, kHostDevice)) {
         // Nothing this thread can take (copies in flight elsewhere, CUDA copies, paused):
         // wait for a landing, looking again at the queue now and then.
         const auto now = clock::now();

@@ -46,6 +46,7 @@
 #include <memory>
 #include <unordered_map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -310,13 +311,31 @@ class Engine {
   using CudaResources = std::map<int, std::pair<CudaRuntime::Stream, CudaRuntime::Event>>;
   void copy_loop(int index);
   std::uint64_t helped_copies_ = 0;  // under mu_
+  // pop_copy_locked's filter: any task, host copies only (kHostDevice), or one CUDA device.
+  static constexpr int kAnyDevice = -2;
+  static constexpr int kHostDevice = -1;
+  // Most CUDA chunks one copy thread issues before it waits for them (run_cuda_copies).
+  static constexpr std::size_t kMaxCudaBatch = 32;
   // Pops the first copy task whose chunk is still pending (under mu_), marks it kCopying and
-  // takes its cache ticket. With host_only, stops at a CUDA task (returns false).
+  // takes its cache ticket. With a device filter, stops (returns false) at a task of another
+  // device (kHostDevice: at a CUDA task); with only_job, at a task of another job.
   bool pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes, std::uint64_t& ticket,
-                       bool host_only);
+                       int only_device, const Job* only_job = nullptr);
   // Runs one popped task: reserves cache space (in ticket order), copies, lands the chunk.
   void run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket,
                 CudaResources& cuda_res, int& current_device);
+  // Runs a popped CUDA task and the tasks of its job and device queued right behind it: issues up
+  // to kMaxCudaBatch copies on this thread's stream, then waits once for all of them (one
+  // event), instead of a wait per chunk. Cache space for a further chunk is only taken if it is
+  // free at once; otherwise the issued copies are waited for and landed first, so a thread
+  // never waits for space while holding cache space it has not landed. Never across jobs: a job
+  // whose copies are ready must not wait for another's (held by its compute stream).
+  void run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::uint64_t ticket,
+                       int device, CudaResources& cuda_res, int& current_device);
+  // Lands (or fails, or skips) one chunk after its copy (under mu_).
+  void land_copy_locked(const CopyTask& task, Job& job, const std::optional<std::size_t>& off,
+                        std::uint32_t crc, bool crc_valid, const std::string& error,
+                        double busy_s);
   void flush_loop(int index);
   // Copies one chunk into the cache; for host sources with checksums on, also returns its CRC
   // (computed block by block while the bytes are still in the CPU cache) and sets *crc_valid.

@@ -94,6 +94,33 @@ std::optional<std::size_t> RingAllocator::allocate_with_ticket(
   }
 }
 
+std::optional<std::size_t> RingAllocator::try_allocate_with_ticket(std::uint64_t ticket,
+                                                                   std::size_t bytes,
+                                                                   std::size_t align) {
+  if (!(align > 0 && (align & (align - 1)) == 0) || bytes > capacity_) {
+    {  // a request that can never be served leaves the line, as in allocate_with_ticket()
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_tickets_.erase(ticket);
+    }
+    cv_.notify_all();
+    DCPDS_CHECK(bytes <= capacity_, "allocation of " + std::to_string(bytes) +
+                                        " bytes exceeds the host cache capacity of " +
+                                        std::to_string(capacity_) + " bytes");
+    DCPDS_CHECK(false, "alignment must be a power of two");
+  }
+  std::optional<std::size_t> off;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_ || waiting_tickets_.empty() || *waiting_tickets_.begin() != ticket)
+      return std::nullopt;
+    off = try_allocate_locked(bytes, align);
+    if (!off) return std::nullopt;
+    waiting_tickets_.erase(ticket);
+  }
+  cv_.notify_all();  // the next ticket may now be at the head of the line
+  return off;
+}
+
 void RingAllocator::pop_released_locked() {
   while (!blocks_.empty() && blocks_.front().released) {
     const std::size_t old_start = blocks_.front().start;

@@ -50,6 +50,12 @@ class RingAllocator {
   std::optional<std::size_t> allocate_with_ticket(std::uint64_t ticket, std::size_t bytes,
                                                   std::size_t align,
                                                   const std::function<bool()>& cancelled = {});
+  // Non-blocking: allocates for `ticket` if it is first in line and the request fits now (the
+  // ticket is then used up); otherwise returns nullopt and the ticket stays in line, to be
+  // passed to allocate_with_ticket() later. A request that can never fit uses the ticket up and
+  // throws EngineError.
+  std::optional<std::size_t> try_allocate_with_ticket(std::uint64_t ticket, std::size_t bytes,
+                                                      std::size_t align);
 
   // Releases the block that starts at `offset`. Unknown offsets throw EngineError.
   void release(std::size_t offset);
