@@ -8,7 +8,8 @@ keep the staged state dict it was set up with, unchanged, in ``self.state_dict``
 
 :func:`share_equal_values` is what the writer does to every local plan, whatever the planner:
 equal sizes and offsets shared by one object, so DCP's pickling of plans and ``.metadata``
-writes each once.
+writes each once; :func:`share_metadata_values` does the same (properties included) to the
+final metadata in ``finish()``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 
@@ -75,3 +82,39 @@ def share_equal_values(plan: SavePlan) -> SavePlan:
         if item.index.offset is not None:
             set_field(item.index, "offset", shared(item.index.offset))
     return plan
+
+
+def share_metadata_values(metadata: Metadata) -> Metadata:
+    """Makes the final checkpoint metadata share one object per distinct value it repeats.
+
+    Called by ``finish()``, after the global planning: DCP pickles this object twice more (into
+    ``.metadata``, and through its broadcast of the save's result, even with one rank), and every
+    ``dcp.load`` unpickles ``.metadata``. Shared: ``torch.Size`` values (tensor sizes, chunk
+    offsets and sizes, the offsets of the ``storage_data`` keys, equal values give equal
+    hashes, so the keys stay valid) and ``TensorProperties`` with equal fields. The properties
+    are mutable, which is why the plans never share them (a planner's global step may change an
+    item's); at ``finish()`` the metadata is final. 5,732 tensors: the pickle takes 35 ms
+    instead of 46 ms. Returns ``metadata`` (the same object).
+    """
+    sizes: dict[torch.Size, torch.Size] = {}
+    props: dict[tuple[Any, ...], TensorProperties] = {}
+    set_field = object.__setattr__
+
+    def shared(v: Any) -> Any:
+        return sizes.setdefault(v, v) if type(v) is torch.Size else v
+
+    for md in metadata.state_dict_metadata.values():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        p = md.properties
+        if type(p) is TensorProperties:
+            key = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+            md.properties = props.setdefault(key, p)
+        md.size = shared(md.size)
+        for chunk in md.chunks:
+            chunk.offsets = shared(chunk.offsets)
+            chunk.sizes = shared(chunk.sizes)
+    for index in metadata.storage_data or {}:
+        if isinstance(index, MetadataIndex) and index.offset is not None:
+            set_field(index, "offset", shared(index.offset))
+    return metadata

@@ -105,7 +105,7 @@ from .jobs import (
 )
 from .layout import TemplateCache
 from .placement import Placer
-from .planner import share_equal_values
+from .planner import share_equal_values, share_metadata_values
 from .release import DeferredRelease
 from .tiers import Promoter, attach_persist_stats
 
@@ -681,7 +681,9 @@ class DataStatesWriter(StorageWriter):
         except BaseException:
             ctx.end_gc_pause()
             raise
-        return plans
+        # The global step rebuilt every item's index (MetadataIndex makes a new torch.Size of its
+        # offset): shared again before DCP scatters the plans and gathers the write results.
+        return [share_equal_values(p) for p in plans]
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
@@ -735,6 +737,7 @@ class DataStatesWriter(StorageWriter):
                 storage_md.update({wr.index: wr.storage_data for wr in wr_list})
             metadata.storage_data = storage_md
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
+            share_metadata_values(metadata)  # pickled into .metadata and by DCP's broadcast
             ctx.directory().commit(metadata, self.config.durable)
             self._table.mark_committed(ctx.path, time.perf_counter())
             if ctx.job is not None and not ctx.job.adhoc:

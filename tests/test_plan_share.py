@@ -81,3 +81,59 @@ def test_metadata_shares_sizes_and_loads_bit_exact(tmp_path: Path) -> None:
             assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
         else:
             assert back[k] == v
+
+
+def _metadata(tmp_path: Path, writer: Any) -> Any:
+    dcp.save(_state(), storage_writer=writer, checkpoint_id=tmp_path)
+    return FileSystemReader(tmp_path).read_metadata()
+
+
+def test_final_metadata_shares_properties_and_offsets(tmp_path: Path) -> None:
+    """share_metadata_values at finish(): equal TensorProperties and the storage_data keys'
+    offsets are one object each in .metadata; every key still finds its storage entry, and the
+    result equals (==) the stock writer's metadata apart from the storage details."""
+    with DataStatesWriter(tmp_path / "ours", host_cache_size="16MiB") as w:
+        ours = _metadata(tmp_path / "ours", w)
+    stock = _metadata(tmp_path / "stock", FileSystemWriter(tmp_path / "stock"))
+    tensors = [m for m in ours.state_dict_metadata.values() if hasattr(m, "properties")]
+    assert len({id(m.properties) for m in tensors}) == 2  # float32 and bfloat16
+    offsets = [k.offset for k in ours.storage_data if k.offset is not None]  # "step": None
+    assert len(offsets) == 52 and len({id(o) for o in offsets}) == 1  # all (0, 0)
+    for k in ours.storage_data:
+        assert ours.storage_data[k] is ours.storage_data[copy.deepcopy(k)]  # hashes unchanged
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert set(ours.storage_data) == set(stock.storage_data)
+    assert len(pickle.dumps(ours)) < len(pickle.dumps(stock))
+
+
+def test_share_metadata_values_leaves_other_values_alone() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcp_datastates.planner import share_metadata_values
+
+    class Props(TensorProperties):  # a subclass: not merged with the plain ones
+        pass
+
+    def tmd(props: TensorProperties, size: Any) -> TensorStorageMetadata:
+        return TensorStorageMetadata(props, size, [ChunkStorageMetadata(torch.Size([0]), size)])
+
+    a = tmd(TensorProperties(torch.float32), torch.Size([4]))
+    b = tmd(TensorProperties(torch.float32), torch.Size([4]))
+    c = tmd(Props(torch.float32), [4])  # a custom planner's list: left as it is
+    keys = [MetadataIndex("a", torch.Size([0])), MetadataIndex("b", torch.Size([0])),
+            MetadataIndex("bytes")]
+    md = Metadata({"a": a, "b": b, "c": c, "bytes": "not a tensor"},  # type: ignore[dict-item]
+                  storage_data={k: i for i, k in enumerate(keys)})
+    before = copy.deepcopy(md)
+    assert share_metadata_values(md) is md
+    assert md.state_dict_metadata == before.state_dict_metadata
+    assert a.properties is b.properties and a.size is b.size
+    assert type(c.properties) is Props and c.size == [4]
+    assert keys[0].offset is keys[1].offset and keys[2].offset is None
+    assert [md.storage_data[k] for k in before.storage_data] == [0, 1, 2]
