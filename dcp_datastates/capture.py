@@ -149,6 +149,13 @@ class SaveJob:
         if pause is not None:
             pause.end()
 
+    def hold_gc_pause_until_release(self, pause: ProtocolPause) -> None:
+        """Keeps ``pause`` until this job's protocol is released (its future completed, see
+        JobTable.release_job); a job released already leaves it to the pause's own timer."""
+        with _PAUSE_SWAP:
+            if not self.protocol_done and self.gc_pause is None:
+                self.gc_pause = pause
+
     def take_gc_pause(self) -> ProtocolPause | None:
         """Hands the collector pause stage() began to the save thread (None if gone).
 

@@ -182,7 +182,7 @@ def lock_marker(dir_path: str, *, create: bool, purpose: str) -> int | None:
             os.close(fd)
             return None
         except OSError as e:  # ENOLCK/EOPNOTSUPP: the file system has no flock
-            logger.warning("no file lock on %s (%s): only in-process exclusion", marker, e)
+            logger.warning("no file lock on %s (%s): only in-process exclusion", marker, str(e))
         # The marker may have been removed (and recreated) between open and flock: the lock
         # only counts if it is on the file that is under the name now.
         try:

@@ -51,11 +51,21 @@ class SaveContext:
         if pause is not None:
             pause.end()
 
-    def end_gc_pause_soon(self) -> None:
-        """Ends the collector pause shortly after this save's protocol returns to its caller."""
+    def end_gc_pause_after_save(self, items: int) -> None:
+        """Ends the collector pause once this save's protocol is over, not in ``finish()``.
+
+        After ``finish()`` DCP pickles the metadata once more (its broadcast of the result, even
+        on one rank) while its frames still hold the plans: a collection then would scan all of
+        it (with 22,924 tensors and 16 GB resident, the broadcast took 1.5 s instead of 0.1 s).
+        An ``async_save``'s pause ends when its future completes (the job's release); any
+        pause ends at the latest 0.1 s + 50 us per item after ``finish()`` (a timer).
+        """
         pause, self.gc_pause = self.gc_pause, None
-        if pause is not None:
-            pause.end_soon(0.1)
+        if pause is None:
+            return
+        pause.end_soon(0.1 + 50e-6 * items)
+        if self.job is not None and not self.job.adhoc:
+            self.job.hold_gc_pause_until_release(pause)
 
     def begin_gc_pause(self) -> None:
         """Pauses the collector until :meth:`end_gc_pause` (or the pause's own time limit);

@@ -99,7 +99,7 @@ class EarlyPlacement:
             except CheckpointSaveError as e:
                 if job.error is not None:
                     raise  # the job failed meanwhile: that is the error
-                logger.warning("%s; the data file is copied into place after the flush", e)
+                logger.warning("%s; the data file is copied into place after the flush", str(e))
                 return False
             self.linked.add(f)
         self.close()
@@ -191,7 +191,7 @@ def place_early(
             early.adopt_fd(f, engine.dup_fd(job.engine_job, fid))
     except CheckpointSaveError as e:
         early.close()  # the engine closes the files it made with the job; they have no name
-        logger.info("no early flush for %s: %s", d.path, e)
+        logger.info("no early flush for %s: %s", d.path, str(e))
         return None
     # Copy order, as write_data orders them: taken at the call first, then the queue.
     caps.sort(key=lambda c: (0 if c.at_call else 1, c.entry))

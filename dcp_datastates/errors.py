@@ -31,3 +31,18 @@ class CheckpointBusyError(CheckpointSaveError):
 
 class IntegrityError(DataStatesError):
     """A checkpoint's data does not match the checksums recorded in its manifest."""
+
+
+def reraisable(err: CheckpointSaveError) -> CheckpointSaveError:
+    """A fresh copy of a stored error (same type, message and attributes), to raise again.
+
+    Raising an exception object sets its traceback, and raising it inside an ``except`` block its
+    context: a stored error raised as is would keep the raising frames alive (and their locals:
+    a save's per-tensor records) for as long as the error is kept.
+    """
+    try:
+        fresh = type(err)(*err.args)
+        fresh.__dict__.update(err.__dict__)
+        return fresh
+    except Exception:  # noqa: BLE001 - an exotic subclass: the message is what matters
+        return CheckpointSaveError(str(err))

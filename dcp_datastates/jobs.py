@@ -458,7 +458,7 @@ class JobTable:
         except CheckpointSaveError as e:
             self.fail_job(job, e)
             if not report:
-                logger.warning("%s", e)
+                logger.warning("%s", str(e))
                 return True
             self.error_seen(job)  # raised here, at the barrier
             raise

@@ -38,7 +38,7 @@ from .config import WriterConfig
 from .contexts import SaveContext
 from .early import EarlyPlacement, place_early
 from .engine import Engine
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, reraisable
 from .fsspec_sink import SinkItem, write_sequential
 from .gcpause import gc_paused
 from .incremental import StageInfo, Tracker
@@ -93,7 +93,7 @@ class Placer:
             if isinstance(job.error, CheckpointSaveError):
                 # Failed elsewhere meanwhile (a barrier found a changed tensor, an abort): that
                 # is the cause; what placing hit afterwards is only a consequence.
-                raise job.error from None
+                raise reraisable(job.error) from None
             raise
 
     def write(

@@ -92,7 +92,7 @@ from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, reraisable
 from .incremental import IncrementalMode, Tracker, parse_mode
 from .jobs import (
     Binding,
@@ -402,7 +402,7 @@ class DataStatesWriter(StorageWriter):
             try:
                 self._table.barrier_one(job, None, report=False, path=self.path)
             except CheckpointSaveError as e:  # pragma: no cover - report=False does not raise
-                logger.warning("%s", e)
+                logger.warning("%s", str(e))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until every save in flight is durable (or failed). False on timeout.
@@ -484,7 +484,7 @@ class DataStatesWriter(StorageWriter):
         try:
             self._table.raise_unreported()
         except CheckpointSaveError as e:  # close() never raises for a save: it says so
-            logger.error("a save failed and its error was never read: %s", e)
+            logger.error("a save failed and its error was never read: %s", str(e))
         if self._promoter is not None:
             self._promoter.close()  # waits for the copies in flight; logs failures
         with self._lock:
@@ -592,7 +592,7 @@ class DataStatesWriter(StorageWriter):
             if job.early is None:
                 self._placer.place_early(ctx, job)  # checks again: the job may have failed
         except Exception as e:  # noqa: BLE001 - set_up_storage_writer places (and raises)
-            logger.debug("early placement at bind time skipped for %s: %s", ctx.path, e)
+            logger.debug("early placement at bind time skipped for %s: %s", ctx.path, str(e))
 
     def synchronize_staging(self) -> None:
         """Same as :meth:`wait_captured` (for code written against the AsyncStager protocol)."""
@@ -711,7 +711,7 @@ class DataStatesWriter(StorageWriter):
                 # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
                 # the cause; what this thread hit afterwards is only a consequence.
                 self._release_claim(ctx)
-                raise job.error from e
+                raise reraisable(job.error) from e
             err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
                 f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
             )
@@ -745,7 +745,8 @@ class DataStatesWriter(StorageWriter):
             if self._promoter is not None:
                 self._submit_promotion(ctx, len(results))
         finally:
-            ctx.end_gc_pause_soon()  # after DCP's frames let go of the plan (gcpause.py)
+            # after DCP's broadcast of the result and its frames let go of the plan (gcpause.py)
+            ctx.end_gc_pause_after_save(len(metadata.storage_data or ()))
             ctx.finished = True
             self._release_claim(ctx)
 
@@ -797,7 +798,7 @@ class DataStatesWriter(StorageWriter):
         try:
             self._promoter.submit(ctx.path, ctx.rank, world_size, coordinator=ctx.coordinator)
         except (RuntimeError, ValueError) as e:
-            logger.error("%s is not copied to the persistent tier: %s", ctx.path, e)
+            logger.error("%s is not copied to the persistent tier: %s", ctx.path, str(e))
 
     def _claim_and_prepare(self, ctx: SaveContext) -> None:
         claim_path(ctx, self.config.durable)

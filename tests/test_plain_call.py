@@ -213,3 +213,31 @@ def test_spill_through_a_sequential_fsspec_store(writer_factory: Any) -> None:
     out = zeros_like_state(ref)
     dcp.load(out, checkpoint_id="memory://plain-call/spill")
     assert_state_equal(ref, out)
+
+
+def test_a_stored_error_raised_again_stays_detached_from_the_raising_frames() -> None:
+    """reraisable: what the save thread raises when a barrier failed the save first is a copy
+    (same type, message, attributes), so the stored error never picks up that thread's frames
+    (whose locals are the save's records) as its traceback or context."""
+    from dcp_datastates.errors import CaptureError, CheckpointSaveError, reraisable
+
+    stored = CaptureError("save to /c failed: tensor 'w' modified in place")
+    stored.rank = 3  # type: ignore[attr-defined]
+    records = ["a record"]
+    try:
+        try:
+            raise CheckpointSaveError("cannot place an entry")
+        except CheckpointSaveError:
+            raise reraisable(stored) from None
+    except CaptureError as got:
+        assert got is not stored and str(got) == str(stored) and got.rank == 3
+    assert stored.__traceback__ is None and stored.__context__ is None
+    del records
+
+    class Odd(CheckpointSaveError):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__(f"{a}/{b}")
+
+    odd = Odd(1, 2)
+    copy_ = reraisable(odd)  # args ("1/2",) do not fit its constructor: the message is kept
+    assert isinstance(copy_, CheckpointSaveError) and str(copy_) == "1/2"

@@ -444,7 +444,7 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 errs = list(self._errors)
                 self._errors.clear()
             for err in errs:
-                logger.error("an earlier DeepSpeed checkpoint failed: %s", err)
+                logger.error("an earlier DeepSpeed checkpoint failed: %s", str(err))
         return True
 
     def _committer(self) -> None:

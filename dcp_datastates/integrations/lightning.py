@@ -129,7 +129,7 @@ class SaveTracker:
             return
         err = _error_of(fut)
         if err is not None:
-            logger.error("%s: checkpoint save to %s failed: %s", self._what, key, err)
+            logger.error("%s: checkpoint save to %s failed: %s", self._what, key, str(err))
             self._failed.append((key, err))
 
     def drain_all(self) -> None:

@@ -141,7 +141,7 @@ class DataStatesNanotronEngine(_Base):  # type: ignore[misc,valid-type]
         try:
             self.wait_persisted()
         except Exception as e:  # noqa: BLE001 - close must release the writer
-            logger.error("a Nanotron checkpoint save failed: %s", e)
+            logger.error("a Nanotron checkpoint save failed: %s", str(e))
         finally:
             self._writer.close()
 
