@@ -22,7 +22,6 @@ with --out) one JSON object with each contender's times, median GB/s and its rat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from benchmarks.report import emit_json
     from benchmarks.workloads import SyntheticSpec, synthetic_state_dict
     from dcp_datastates import DataStatesWriter
 
@@ -127,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "x_pinned_copy": {k: peak / v for k, v in med.items()} if peak else {},
         "errors": errors,
     }
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit_json(doc, a.out)
     return 0
 
 

@@ -115,6 +115,13 @@ def write_json(path: str, obj: Any, indent: int | None = 1) -> None:
     os.replace(tmp, path)
 
 
+def emit_json(doc: Any, out: str = "") -> None:
+    """Prints ``doc`` as JSON; also writes it to ``out`` (atomically) when given."""
+    if out:
+        write_json(out, doc)
+    print(json.dumps(finite(doc), indent=1, default=str, allow_nan=False))
+
+
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

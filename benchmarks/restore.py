@@ -11,7 +11,6 @@ same preallocated state and is checked bit for bit. Prints (or writes with --out
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -50,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from benchmarks.report import emit_json
     from dcp_datastates import DataStatesReader, DataStatesWriter
 
     numel = int(a.tensor_mib * (1 << 20)) // 4
@@ -94,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "gb_per_s": {k: total_bytes / v / 1e9 for k, v in med.items()},
         "speedup_vs_stock": med["stock"] / med["datastates"],
     }
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit_json(doc, a.out)
     return 0
 
 

@@ -110,11 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         "save_vmhwm_ratio": s["datastates"]["vmhwm_mib"] / s["stock"]["vmhwm_mib"],
     }
     doc = {"command": " ".join(sys.argv), "results": results, "summary": summary}
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    print(text)
+    from benchmarks.report import emit_json
+
+    emit_json(doc, a.out)
     return 0
 
 
