@@ -149,12 +149,15 @@ class SaveJob:
         if pause is not None:
             pause.end()
 
-    def hold_gc_pause_until_release(self, pause: ProtocolPause) -> None:
+    def hold_gc_pause_until_release(self, pause: ProtocolPause) -> bool:
         """Keeps ``pause`` until this job's protocol is released (its future completed, see
-        JobTable.release_job); a job released already leaves it to the pause's own timer."""
+        JobTable.release_job). False if the job was released already (or holds another
+        pause): the caller then ends it another way."""
         with _PAUSE_SWAP:
-            if not self.protocol_done and self.gc_pause is None:
-                self.gc_pause = pause
+            if self.protocol_done or self.gc_pause is not None:
+                return False
+            self.gc_pause = pause
+            return True
 
     def take_gc_pause(self) -> ProtocolPause | None:
         """Hands the collector pause stage() began to the save thread (None if gone).

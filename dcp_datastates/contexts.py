@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from .writer import DataStatesWriter
 
 
+# How long a collector pause held until an async_save's release may last if that never comes.
+AFTER_SAVE_BACKSTOP_S = 10.0
+
+
 @dataclass
 class SaveContext:
     """Protocol state of one save in one thread (DCP drives a save from a single thread)."""
@@ -57,15 +61,19 @@ class SaveContext:
         After ``finish()`` DCP pickles the metadata once more (its broadcast of the result, even
         on one rank) while its frames still hold the plans: a collection then would scan all of
         it (with 22,924 tensors and 16 GB resident, the broadcast took 1.5 s instead of 0.1 s).
-        An ``async_save``'s pause ends when its future completes (the job's release); any
-        pause ends at the latest 0.1 s + 50 us per item after ``finish()`` (a timer).
+        An ``async_save``'s pause ends when its future completes (the job's release; a timer
+        ends it after ``AFTER_SAVE_BACKSTOP_S`` should that never come); a ``dcp.save``'s, which
+        has no such event, 0.1 s + 50 us per item after ``finish()`` (a timer).
         """
         pause, self.gc_pause = self.gc_pause, None
         if pause is None:
             return
-        pause.end_soon(0.1 + 50e-6 * items)
-        if self.job is not None and not self.job.adhoc:
-            self.job.hold_gc_pause_until_release(pause)
+        if self.job is not None and not self.job.adhoc and self.job.hold_gc_pause_until_release(
+            pause
+        ):
+            pause.end_soon(AFTER_SAVE_BACKSTOP_S)  # should the release never come
+        else:
+            pause.end_soon(0.1 + 50e-6 * items)
 
     def begin_gc_pause(self) -> None:
         """Pauses the collector until :meth:`end_gc_pause` (or the pause's own time limit);

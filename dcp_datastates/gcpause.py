@@ -30,8 +30,8 @@ At worst the collector is off for ``max_s`` seconds after a failure: nothing is 
 garbage is only collected later. Collective waits happen inside it (bounded by ``max_s``). A
 save's pause ends after the save's last protocol call, once DCP's frames have dropped the plan's
 objects, which then die by reference counting and are never scanned: when an ``async_save``'s
-future completes, or 0.1 s + 50 us per item after ``finish()`` (``SaveContext.
-end_gc_pause_after_save``). The collector's switch is global: a program that calls
+future completes, a ``dcp.save``'s 0.1 s + 50 us per item after ``finish()``
+(``SaveContext.end_gc_pause_after_save``). The collector's switch is global: a program that calls
 ``gc.disable()`` *while* a save is planning, or right after it, finds the collector enabled
 again when that pause ends (one that disabled it before the save keeps it disabled).
 """

@@ -230,3 +230,35 @@ def test_the_stage_pause_is_handed_to_the_save_and_never_spans_a_wait_for_an_ear
         fa.result(60)
         fb.result(60)
     assert _enabled_within(5)
+
+
+def _collector_during_broadcast(rank: int, world: int, root: str) -> tuple[list[bool], bool]:
+    """One async_save under a process group whose broadcast of the result is slow (0.3 s, more
+    than the timer a dcp.save's pause ends by): the collector stays paused through it and runs
+    again once the future completed."""
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    seen: list[bool] = []
+    original = dcp_utils._DistWrapper.broadcast_object
+
+    def slow_broadcast(self: Any, obj: Any) -> Any:
+        seen.append(gc.isenabled())
+        time.sleep(0.3)
+        seen.append(gc.isenabled())
+        return original(self, obj)
+
+    dcp_utils._DistWrapper.broadcast_object = slow_broadcast  # type: ignore[method-assign]
+    gc.enable()
+    sd = {"m": {f"t{i}": torch.randn(4) for i in range(50)}}
+    with DataStatesWriter(root, host_cache_size="16MiB") as w:
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{root}/a").result(60)
+        return seen, _enabled_within(5)
+
+
+def test_the_pause_lasts_through_dcps_broadcast_of_the_result(tmp_path: Any) -> None:
+    from dist_utils import run_ranks
+
+    [(seen, after)] = run_ranks(_collector_during_broadcast, str(tmp_path / "c"),
+                                tmp_path=tmp_path, world_size=1)
+    assert seen == [False, False]  # paused from before the broadcast to its end
+    assert after  # and enabled again once the save's future completed
