@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal
+from conftest import assert_state_equal, zeros_like_state
 
+from benchmarks.verify import clone_tree
 from dcp_datastates import _core
 from dcp_datastates.engine import loaded_cuda_runtime
 
@@ -174,29 +175,6 @@ def test_one_save_across_two_devices(tmp_path: Any, writer_factory: Any) -> None
     assert_state_equal(ref, out)
 
 
-def _zero(sd: Any) -> None:
-    if isinstance(sd, torch.Tensor):
-        sd.zero_()
-    elif isinstance(sd, dict):
-        for v in sd.values():
-            _zero(v)
-    elif isinstance(sd, list):
-        for v in sd:
-            _zero(v)
-
-
-def _device_clone(sd: Any) -> Any:
-    """A copy queued on the compute stream (no host sync): the value at this point of the
-    stream, read back later."""
-    if isinstance(sd, torch.Tensor):
-        return sd.detach().clone()
-    if isinstance(sd, dict):
-        return {k: _device_clone(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_device_clone(v) for v in sd]
-    return copy.deepcopy(sd)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_plain_call_on_the_gpu_is_exact(tmp_path: Any, fused: bool) -> None:
     """The plain call (no protect(), no wait, default options): the next step is launched right
@@ -216,7 +194,7 @@ def test_plain_call_on_the_gpu_is_exact(tmp_path: Any, fused: bool) -> None:
             opt.step()
             opt.zero_grad()
             state = {"model": model.state_dict(), "optim": opt.state_dict()}
-            refs[step] = _device_clone(state)  # queued, not synchronized
+            refs[step] = clone_tree(state)  # queued on the compute stream, not synchronized
             futs.append(dcp.async_save(state, storage_writer=w,
                                        checkpoint_id=str(tmp_path / f"s{step}")))
         for f in futs:
@@ -224,8 +202,7 @@ def test_plain_call_on_the_gpu_is_exact(tmp_path: Any, fused: bool) -> None:
         assert w._engine._core.cache_pinned, w._engine._core.pin_error
         for step, ref in refs.items():
             host = _cpu(ref)
-            out = _cpu(ref)
-            _zero(out)
+            out = zeros_like_state(host)
             dcp.load(out, checkpoint_id=str(tmp_path / f"s{step}"))
             assert_state_equal(host, out)
     finally:
