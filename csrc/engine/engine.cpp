@@ -546,45 +546,19 @@ void Engine::maybe_delay(bool copy) {
 }
 
 void Engine::do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uint32_t* crc,
-                     bool* crc_valid, CudaRuntime::Stream stream, CudaRuntime::Event done_event,
-                     int& current_device) {
+                     bool* crc_valid) {
+  // Copy (and checksum block by block while each block is in the CPU cache, so the flush need
+  // not read the chunk again). The source may have been freed since the save call: that is an
+  // error of this copy, not a crash (guarded_copy.hpp).
   const auto* src = reinterpret_cast<const std::uint8_t*>(e.src) + c.entry_offset;
-  *crc_valid = false;
-  if (e.device < 0) {
-    // Copy (and checksum block by block while each block is in the CPU cache, so the flush need
-    // not read the chunk again). The source may have been freed since the save call: that is an
-    // error of this copy, not a crash (guarded_copy.hpp).
-    std::uint32_t sum = 0;
-    CopyPath path;
-    DCPDS_CHECK(checked_copy(dst, src, c.bytes, options_.checksums ? &sum : nullptr, &path),
-                "the memory of '" + e.name +
-                    "' is no longer readable: its storage was freed or resized after the save "
-                    "call, before its copy into the host cache");
-    if (options_.checksums) {
-      *crc = sum;
-      *crc_valid = true;
-    }
-    return;
-  }
-  if (current_device != e.device) {
-    cuda_->set_device(e.device);
-    current_device = e.device;
-  }
-  // Order the copy after the producer's work: the event was recorded on the compute stream at
-  // save time, so the bytes copied are the ones of that moment.
-  if (e.ready_event != 0)
-    cuda_->stream_wait_event(stream, reinterpret_cast<CudaRuntime::Event>(e.ready_event));
-  cuda_->memcpy_d2h_async(dst, src, c.bytes, stream);
-  try {
-    cuda_->record_event(done_event, stream);
-    cuda_->synchronize_event(done_event);
-  } catch (...) {
-    // The copy may still be queued or running: its cache space must not be released (and
-    // reused) before it has landed. If even this fails, the device is in a sticky error state,
-    // where queued work no longer runs.
-    cuda_->try_synchronize_stream(stream);
-    throw;
-  }
+  std::uint32_t sum = 0;
+  CopyPath path;
+  DCPDS_CHECK(checked_copy(dst, src, c.bytes, options_.checksums ? &sum : nullptr, &path),
+              "the memory of '" + e.name +
+                  "' is no longer readable: its storage was freed or resized after the save "
+                  "call, before its copy into the host cache");
+  *crc = sum;
+  *crc_valid = options_.checksums;
 }
 
 bool Engine::pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes,
@@ -632,7 +606,7 @@ void Engine::copy_loop(int /*index*/) {
     if (device >= 0)
       run_cuda_copies(task, job, bytes, ticket, device, cuda_res, current_device);
     else
-      run_copy(task, job, bytes, ticket, cuda_res, current_device);
+      run_copy(task, job, bytes, ticket);
   }
   for (auto& kv : cuda_res) {
     cuda_->destroy_event(kv.second.second);
@@ -640,8 +614,7 @@ void Engine::copy_loop(int /*index*/) {
   }
 }
 
-void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket,
-                    CudaResources& cuda_res, int& current_device) {
+void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket) {
   std::atomic<bool>& failed = job->failed;
   auto off = ring_.allocate_with_ticket(ticket, bytes, cache_align(bytes),
                                         [&] { return failed.load(); });
@@ -657,26 +630,12 @@ void Engine::run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::ui
         Entry copy;
         copy.name = src.name;
         copy.src = src.src;
-        copy.device = src.device;
-        copy.ready_event = src.ready_event;
         return copy;
       }();
       const Chunk c = job->entries[task.entry].chunks[task.chunk];
       lock.unlock();
-      CudaRuntime::Stream stream = nullptr;
-      CudaRuntime::Event ev = nullptr;
-      if (e.device >= 0) {
-        auto rit = cuda_res.find(e.device);
-        if (rit == cuda_res.end()) {
-          current_device = -1;  // unknown until create_copy_resources' set_device succeeds
-          rit = cuda_res.emplace(e.device, create_copy_resources(*cuda_, e.device)).first;
-          current_device = e.device;
-        }
-        stream = rit->second.first;
-        ev = rit->second.second;
-      }
       maybe_delay(true);
-      do_copy(e, c, cache_.data() + *off, &crc, &crc_valid, stream, ev, current_device);
+      do_copy(e, c, cache_.data() + *off, &crc, &crc_valid);
     } catch (const std::exception& ex) {
       error = std::string("copy of '") + job->entries[task.entry].name + "' failed: " + ex.what();
     }
@@ -1207,8 +1166,6 @@ bool Engine::help_until_captured(std::uint64_t job_id, double timeout_s) {
       forever ? clock::time_point::max()
               : clock::now() + std::chrono::duration_cast<clock::duration>(
                                    std::chrono::duration<double>(timeout_s));
-  CudaResources no_cuda;  // this thread takes host copies only
-  int no_device = -1;
   for (;;) {
     CopyTask task{};
     Job* job = nullptr;
@@ -1233,7 +1190,7 @@ bool Engine::help_until_captured(std::uint64_t job_id, double timeout_s) {
       }
       ++helped_copies_;
     }
-    run_copy(task, job, bytes, ticket, no_cuda, no_device);
+    run_copy(task, job, bytes, ticket);  // host copies only
   }
 }
 

@@ -321,9 +321,8 @@ class Engine {
   // device (kHostDevice: at a CUDA task); with only_job, at a task of another job.
   bool pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes, std::uint64_t& ticket,
                        int only_device, const Job* only_job = nullptr);
-  // Runs one popped task: reserves cache space (in ticket order), copies, lands the chunk.
-  void run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket,
-                CudaResources& cuda_res, int& current_device);
+  // Runs one popped host task: reserves cache space (in ticket order), copies, lands the chunk.
+  void run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket);
   // Runs a popped CUDA task and the tasks of its job and device queued right behind it: issues up
   // to kMaxCudaBatch copies on this thread's stream, then waits once for all of them (one
   // event), instead of a wait per chunk. Cache space for a further chunk is only taken if it is
@@ -337,11 +336,10 @@ class Engine {
                         std::uint32_t crc, bool crc_valid, const std::string& error,
                         double busy_s);
   void flush_loop(int index);
-  // Copies one chunk into the cache; for host sources with checksums on, also returns its CRC
+  // Copies one chunk of a host source into the cache; with checksums on, also returns its CRC
   // (computed block by block while the bytes are still in the CPU cache) and sets *crc_valid.
   void do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uint32_t* crc,
-               bool* crc_valid, CudaRuntime::Stream stream,
-               CudaRuntime::Event done_event, int& current_device);
+               bool* crc_valid);
   void do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk);
   void do_finalize(Job& job);
   void maybe_delay(bool copy);
