@@ -511,6 +511,7 @@ class JobTable:
             lazy_bytes=job.lazy_bytes,
             early_tensors=len(job.early.placed) if job.early is not None else 0,
             flush_busy_s=float(st["flush_busy_s"]),
+            flush_writes=int(st.get("flush_writes", 0)),
             error=str(job.error) if job.error is not None else None,
         )
         with self.lock:

@@ -161,14 +161,16 @@ class FileLayout:
 
     Tensor payloads of at least ``direct_min`` bytes (the engine's O_DIRECT threshold) are
     padded to start at a multiple of ``payload_align`` (4096 when O_DIRECT is used); smaller
-    ones, written through the page cache, only at 64 bytes. Items go to the least loaded file,
-    in the order they are given (callers give them in copy order, so each file is written
-    roughly front to back).
+    ones, written through the page cache, are not padded at all: consecutive small items lie
+    back to back, and the engine writes a run of them with one ``pwritev`` (no reader depends
+    on the file offset of a payload: each item is read as its own archive). Items go to the
+    least loaded file, in the order they are given (callers give them in copy order, so each
+    file is written roughly front to back).
     """
 
     nfiles: int
     payload_align: int = 64
-    direct_min: int = 4096  # payloads under this size are written buffered: 64-byte aligned
+    direct_min: int = 4096  # payloads under this size are written buffered: not padded
     sizes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -183,10 +185,10 @@ class FileLayout:
         f = self._pick()
         start = self.sizes[f]
         payload = start + len(template.prefix)
-        # Page alignment only pays for payloads the engine writes with O_DIRECT.
+        # Alignment only pays for payloads the engine writes with O_DIRECT; padding between small
+        # items would split the engine's combined writes of them.
         big = template.payload_bytes >= max(self.direct_min, self.payload_align)
-        align = self.payload_align if big else 64
-        pad = (-payload) % align
+        pad = (-payload) % self.payload_align if big else 0
         start += pad
         payload += pad
         self.sizes[f] = payload + template.payload_bytes + len(template.suffix)

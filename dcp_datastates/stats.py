@@ -36,6 +36,8 @@ class SaveStats:
         early_tensors: tensors placed (and flushing) before DCP planned the save, in unnamed
             files named only under the path claim (``dcp_datastates.early``; 0: placed in
             ``write_data``).
+        flush_writes: write operations the flush issued for this rank's data (small items
+            that follow each other in a file are written together: one operation for many).
         error: the failure message, or None.
     """
 
@@ -57,6 +59,7 @@ class SaveStats:
     stall_s: float = 0.0
     lazy_bytes: int = 0
     early_tensors: int = 0
+    flush_writes: int = 0
     committed_s: float = float("nan")
     t_committed: float = float("nan")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -176,6 +177,99 @@ def test_archive_template_matches_torch_save() -> None:
         assert torch.equal(back, t)
 
 
+def _small_items_job(
+    eng: Any, tmp_path: Any, name: str, n: int, seed: int, direct: bool = True
+) -> tuple[int, list[str], list[bytearray], list[np.ndarray]]:
+    """Places ``n`` small items (every 7th flushed from its source when ``direct``) into two
+    files the way FileLayout does (headers, trailers, back to back), with the copies held until
+    everything is placed, so that the flush thread finds a backlog. Every 37th item leaves a gap
+    before it that another writer fills (as the writer does for a spilled tensor) before the
+    flush starts: no combined write may touch it. Returns the job, the files' paths, the bytes
+    each file must hold and the sources (which must outlive the job)."""
+    rng = np.random.default_rng(seed)
+    job = eng.create_job(name)
+    paths = [str(tmp_path / f"{name}{k}.bin") for k in range(2)]
+    files = [eng.open_file(job, p) for p in paths]
+    expected = [bytearray(), bytearray()]
+    keep: list[np.ndarray] = []
+    placements = []
+    foreign: list[tuple[int, int, bytes]] = []
+    for i in range(n):
+        payload = rng.integers(0, 255, int(rng.integers(1, 30_000)), dtype=np.uint8)
+        keep.append(payload)
+        e = eng.add_entry(job, f"item{i}", payload.ctypes.data, payload.nbytes,
+                          direct=direct and i % 7 == 3)
+        k = 0 if i % 5 else 1
+        head = bytes(rng.integers(0, 255, int(rng.integers(0, 50)), dtype=np.uint8))
+        tail = bytes(rng.integers(0, 255, int(rng.integers(0, 30)), dtype=np.uint8))
+        buf = expected[k]
+        if i % 37 == 36:
+            other = bytes([0xAB]) * int(rng.integers(1, 64))
+            foreign.append((k, len(buf), other))
+            buf.extend(other)
+        start = len(buf)
+        buf.extend(head + payload.tobytes() + tail)
+        placements.append((e, files[k], start + len(head), head, tail))
+    eng.pause_copies(True)
+    eng.start_copies(job)
+    for e, f, off, head, tail in placements:
+        eng.place(job, e, f, off, head, tail)
+    for k, off, other in foreign:  # the files exist now; the held copies keep the flush away
+        fd = os.open(paths[k], os.O_WRONLY)
+        try:
+            os.pwrite(fd, other, off)
+        finally:
+            os.close(fd)
+    eng.pause_copies(False)
+    eng.seal(job)
+    return job, paths, expected, keep
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_small_items_are_written_together_exactly(tmp_path: Any, o_direct: bool) -> None:
+    # A backlog of small items in one file is written by one pwritev per run (write combining):
+    # the bytes must be exactly what one write per item gives, gaps zero, every checksum right.
+    eng = _core.Engine(cache_bytes=16 << 20, copy_threads=1, flush_threads=1, o_direct=o_direct,
+                       prefault=False)
+    eng.set_delays(0, 3000, 7)  # the first flush waits: the rest of the items queue up behind it
+    n = 400
+    job, paths, expected, _keep = _small_items_job(eng, tmp_path, "small", n, seed=3)
+    eng.wait_done(job)
+    for k, path in enumerate(paths):
+        with open(path, "rb") as fh:
+            assert fh.read() == bytes(expected[k]), f"file {k}"
+    stats = eng.stats(job)
+    assert stats["bytes_written"] == stats["bytes_total"]
+    assert stats["flush_writes"] <= n // 4, stats["flush_writes"]  # not one write per item
+    recs = eng.chunk_records(job)
+    assert len(recs) == n
+    for _e, _c, f, off, _eo, length, crc in recs:
+        data = bytes(expected[f])[off : off + length]
+        assert _core.crc32c(data) == crc
+    assert eng.counters()["cache_used_bytes"] == 0
+    eng.forget(job)
+    eng.close()
+
+
+def test_a_failed_combined_write_fails_the_job_and_frees_the_cache(tmp_path: Any) -> None:
+    eng = _core.Engine(cache_bytes=16 << 20, copy_threads=1, flush_threads=1, prefault=False)
+    eng.set_delays(0, 3000, 11)
+    _core.set_write_fault("combfail", errno.EIO)
+    try:
+        job, _paths, _expected, _keep = _small_items_job(
+            eng, tmp_path, "combfail", 200, seed=5, direct=False
+        )
+        combined = r"flush of 'item\d+' \(and \d+ more items written with it\) failed"
+        with pytest.raises(_core.EngineError, match=combined):
+            eng.wait_done(job)
+        assert eng.counters()["cache_used_bytes"] == 0
+        assert eng.stats(job)["failed"]
+        eng.forget(job)
+    finally:
+        _core.set_write_fault("", 0)
+        eng.close()
+
+
 def test_file_layout_alignment() -> None:
     lay = FileLayout(2, payload_align=4096)
     tmpl = build_template(torch.float32, (5000,))
@@ -183,10 +277,15 @@ def test_file_layout_alignment() -> None:
         f, start, payload = lay.place_tensor(tmpl)
         assert payload % 4096 == 0 and payload - start == len(tmpl.prefix)
     assert abs(lay.sizes[0] - lay.sizes[1]) <= tmpl.total_bytes + 4096
-    # Payloads under a page gain nothing from O_DIRECT: 64-byte alignment, no page of padding.
+    # Payloads under a page gain nothing from O_DIRECT: no padding, back to back (the engine
+    # writes runs of them together).
     small = build_template(torch.float32, (100,))
     f, start, payload = lay.place_tensor(small)
-    assert payload % 64 == 0 and payload - start < len(small.prefix) + 64
+    assert payload - start == len(small.prefix)
+    end = lay.sizes[f]
+    lay.sizes[1 - f] = end + 10**6  # the next item goes to the same file
+    f2, start2, _ = lay.place_tensor(small)
+    assert f2 == f and start2 == end
 
 
 def test_file_layout_pads_only_payloads_the_engine_writes_direct() -> None:
@@ -197,7 +296,7 @@ def test_file_layout_pads_only_payloads_the_engine_writes_direct() -> None:
     above = build_template(torch.float32, (_core.DIRECT_MIN_BYTES // 4,))
     lay.sizes[0] = 100  # an unaligned end
     _, start, payload = lay.place_tensor(below)
-    assert payload % 64 == 0 and start - 100 < 64  # written buffered: no page of padding
+    assert start == 100  # written buffered: no padding
     _, start, payload = lay.place_tensor(above)
     assert payload % _core.DIRECT_ALIGN == 0
 

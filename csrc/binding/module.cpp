@@ -85,6 +85,7 @@ py::dict stats_to_dict(const dcpds::JobStats& s) {
   d["bytes_written"] = s.bytes_written;
   d["copy_busy_s"] = s.copy_busy_s;
   d["flush_busy_s"] = s.flush_busy_s;
+  d["flush_writes"] = s.flush_writes;
   d["failed"] = s.failed;
   d["error"] = s.error;
   return d;

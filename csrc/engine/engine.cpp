@@ -1048,8 +1048,119 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
   Chunk& c = e.chunks[chunk];
   c.crc = crc;
   job.stats.flush_busy_s += t1 - t0;
+  ++job.stats.flush_writes;
   if (error.empty()) job.stats.bytes_written += bytes;
   finish_chunk_locked(job, e, c, error.empty() ? ChunkState::kDone : ChunkState::kSkipped);
+  if (!error.empty()) fail_locked(job, error);
+  maybe_finalize_locked(job);
+  state_cv_.notify_all();
+}
+
+std::vector<std::uint32_t> Engine::take_run_locked(Job& job, std::uint32_t lead) {
+  std::vector<std::uint32_t> run{lead};
+  const Entry& first = job.entries[lead];
+  std::uint64_t end =
+      first.payload_offset + first.bytes + (first.trailer ? first.trailer->size() : 0);
+  std::size_t total = first.bytes;
+  const std::size_t window = std::min(flush_queue_.size(), kCombineScan);
+  std::vector<bool> taken(window, false);
+  std::size_t n_taken = 0;
+  for (std::size_t i = 0; i < window; ++i) {
+    if (total >= kCombineBytes || run.size() >= kCombineItems) break;
+    const FlushTask& t = flush_queue_[i];
+    if (t.kind != FlushKind::kChunk || t.job != job.id || t.chunk != 0) continue;
+    const Entry& e = job.entries[t.entry];
+    if (!combinable(e) || e.file != first.file) continue;
+    const std::uint64_t head = e.header ? e.header->size() : 0;
+    if (e.payload_offset < head) continue;
+    const std::uint64_t start = e.payload_offset - head;
+    // Only the item that starts where the run ends: nothing lies between them, so the run never
+    // writes a byte that is not its own (a gap may hold bytes written by someone else). Items
+    // come roughly in file order; one found later than its successor in the queue simply
+    // starts a run of its own.
+    if (start != end) continue;
+    taken[i] = true;
+    ++n_taken;
+    run.push_back(t.entry);
+    end = e.payload_offset + e.bytes + (e.trailer ? e.trailer->size() : 0);
+    total += e.bytes;
+  }
+  if (n_taken > 0) {  // the taken tasks leave the queue (one pass over the window)
+    std::size_t w = 0;
+    for (std::size_t i = 0; i < window; ++i)
+      if (!taken[i]) flush_queue_[w++] = flush_queue_[i];
+    flush_queue_.erase(flush_queue_.begin() + static_cast<std::ptrdiff_t>(w),
+                       flush_queue_.begin() + static_cast<std::ptrdiff_t>(window));
+  }
+  return run;
+}
+
+void Engine::do_flush_run(Job& job, std::uint32_t lead) {
+  struct Piece {
+    std::uint32_t entry;
+    std::uint8_t* data;
+    std::size_t bytes;
+    std::uint64_t start;  // file offset of its header
+    std::shared_ptr<const std::string> header, trailer;
+    std::uint32_t crc;
+    bool have_crc;
+  };
+  std::vector<Piece> pieces;
+  PosixFile* file = nullptr;
+  std::string name;
+  maybe_delay(false);  // test hook: before the run is taken (what queued meanwhile joins it)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::vector<std::uint32_t> run = take_run_locked(job, lead);
+    if (job.failed.load()) {
+      for (std::uint32_t ei : run)
+        finish_chunk_locked(job, job.entries[ei], job.entries[ei].chunks[0], ChunkState::kSkipped);
+      maybe_finalize_locked(job);
+      state_cv_.notify_all();
+      return;
+    }
+    pieces.reserve(run.size());
+    for (std::uint32_t ei : run) {
+      Entry& e = job.entries[ei];
+      const Chunk& c = e.chunks[0];
+      const std::uint64_t head = e.header ? e.header->size() : 0;
+      pieces.push_back(Piece{ei, chunk_data(e, c), c.bytes, e.payload_offset - head, e.header,
+                             e.trailer, c.crc, c.crc_valid});
+    }
+    file = job.files[job.entries[lead].file].get();
+    name = job.entries[lead].name;
+  }
+  std::string error;
+  const double t0 = now_s();
+  try {
+    std::vector<iovec> iov;
+    iov.reserve(pieces.size() * 3);
+    for (Piece& p : pieces) {  // back to back in the file (take_run_locked)
+      if (options_.checksums && !p.have_crc) p.crc = crc32c(0, p.data, p.bytes);
+      // iovec wants non-const pointers; pwritev only reads them.
+      if (p.header) iov.push_back(iovec{const_cast<char*>(p.header->data()), p.header->size()});
+      iov.push_back(iovec{p.data, p.bytes});
+      if (p.trailer) iov.push_back(iovec{const_cast<char*>(p.trailer->data()), p.trailer->size()});
+    }
+    file->write_at(pieces.front().start, iov);
+  } catch (const std::exception& ex) {
+    error = "flush of '" + name + "'" +
+            (pieces.size() > 1 ? " (and " + std::to_string(pieces.size() - 1) +
+                                     " more items written with it)"
+                               : std::string()) +
+            " failed: " + ex.what();
+  }
+  const double t1 = now_s();
+  std::lock_guard<std::mutex> lock(mu_);
+  job.stats.flush_busy_s += t1 - t0;
+  ++job.stats.flush_writes;
+  for (const Piece& p : pieces) {
+    Entry& e = job.entries[p.entry];
+    Chunk& c = e.chunks[0];
+    c.crc = p.crc;
+    if (error.empty()) job.stats.bytes_written += p.bytes;
+    finish_chunk_locked(job, e, c, error.empty() ? ChunkState::kDone : ChunkState::kSkipped);
+  }
   if (!error.empty()) fail_locked(job, error);
   maybe_finalize_locked(job);
   state_cv_.notify_all();
@@ -1095,9 +1206,19 @@ void Engine::flush_loop(int /*index*/) {
       job = it->second.get();
     }
     switch (task.kind) {
-      case FlushKind::kChunk:
-        do_flush_chunk(*job, task.entry, task.chunk);
+      case FlushKind::kChunk: {
+        bool run = false;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          run = task.chunk == 0 && combinable(job->entries[task.entry]);
+        }
+        if (run) {
+          do_flush_run(*job, task.entry);
+        } else {
+          do_flush_chunk(*job, task.entry, task.chunk);
+        }
         break;
+      }
       case FlushKind::kFinalize:
         do_finalize(*job);
         break;
@@ -1127,6 +1248,7 @@ void Engine::flush_loop(int /*index*/) {
         }
         std::lock_guard<std::mutex> lock(mu_);
         if (error.empty()) job->stats.bytes_written += bytes.size();
+        ++job->stats.flush_writes;
         --job->outstanding;
         if (!error.empty()) fail_locked(*job, error);
         maybe_finalize_locked(*job);

@@ -96,6 +96,9 @@ struct JobStats {
   std::uint64_t bytes_written = 0;
   double copy_busy_s = 0;  // summed over copy threads
   double flush_busy_s = 0;
+  // Write operations the flush issued for this job's data: a run of small items written with one
+  // pwritev counts once (see Engine::kCombineBytes).
+  std::uint64_t flush_writes = 0;
   bool failed = false;
   std::string error;
 };
@@ -341,6 +344,24 @@ class Engine {
   void do_copy(const Entry& e, const Chunk& c, std::uint8_t* dst, std::uint32_t* crc,
                bool* crc_valid);
   void do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk);
+  // Write combining of small items: an item of one chunk under PosixFile::kDirectMinBytes (written
+  // through the page cache anyway) is written together with the queued items that follow it
+  // back to back in the same file (FileLayout packs such items without padding), up to
+  // kCombineBytes in one pwritev: thousands of 64 KiB tensors cost a few dozen system calls,
+  // not thousands. Only what is queued when a flush thread takes the lead joins its run (no
+  // waiting for more). Tasks taken into a run leave the queue at once, so no other flush thread
+  // sees them; each item's chunk still finishes (done, or skipped on a failure) on its own, and
+  // a failed write fails the job naming the run's first item.
+  static constexpr std::size_t kCombineBytes = 2u << 20;
+  static constexpr std::size_t kCombineScan = 512;  // queued tasks looked at for one run
+  static constexpr std::size_t kCombineItems = 256;
+  bool combinable(const Entry& e) const {
+    return e.chunks.size() == 1 && e.bytes < PosixFile::kDirectMinBytes &&
+           e.placement == Placement::kFile && e.file >= 0;
+  }
+  // Under mu_: the entries of the run `lead` starts (lead first); their tasks leave the queue.
+  std::vector<std::uint32_t> take_run_locked(Job& job, std::uint32_t lead);
+  void do_flush_run(Job& job, std::uint32_t lead);
   void do_finalize(Job& job);
   void maybe_delay(bool copy);
   bool is_owner() const;
