@@ -362,13 +362,15 @@ class CheckpointDir:
                 raise OSError(f"cannot write {final}: {e}") from e
             raise OSError(e.errno, f"{e.strerror} (writing {name} atomically)", final) from e
 
-    def commit(self, metadata: Any, durable: bool) -> None:
+    def commit(self, metadata: Any, durable: bool, blob: bytes | None = None) -> None:
         """Step 3 (coordinator): ``.metadata`` last, atomically; then the marker goes.
 
+        ``blob``: ``metadata`` pickled already (by the caller, while the data was flushing).
         The caller still holds the claim; it releases it (:func:`release_path`) afterwards.
         """
-        with gc_paused():  # pickling creates an object per item (see dcp_datastates.gcpause)
-            blob = pickle.dumps(metadata)
+        if blob is None:
+            with gc_paused():  # pickling creates an object per item (dcp_datastates.gcpause)
+                blob = pickle.dumps(metadata)
         self.write_atomic(METADATA_FILE, blob, durable)
         marker = self.join(INCOMPLETE_MARKER)
         if self.local:

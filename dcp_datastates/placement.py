@@ -21,7 +21,8 @@ import collections
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,45 @@ from .manifest import ItemRecord, encode_manifest
 from .safetensors_format import write_safetensors
 
 logger = logging.getLogger("dcp_datastates.writer")
+
+
+class PendingWrite:
+    """The second half of :meth:`Placer.write_deferred`: the wait until one rank's data is
+    captured and durable, and its manifest. Runs once, in the save thread; ``abandon()`` instead
+    only releases what the save holds (its callbacks from :meth:`on_end`)."""
+
+    def __init__(self, complete: Callable[[], None] | None) -> None:
+        self._complete = complete
+        self._on_end: list[Callable[[], None]] = []
+        self._ended = False
+        self._lock = threading.Lock()  # abandon() may come from a finalizer's thread
+
+    def on_end(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` once this write is completed (or failed completing) or abandoned."""
+        self._on_end.append(fn)
+
+    def complete(self) -> None:
+        """Waits for the data and writes the manifest; raises on any failure."""
+        with self._lock:
+            complete, self._complete = self._complete, None
+            if self._ended:
+                raise RuntimeError("this write was completed or abandoned already")
+        try:
+            if complete is not None:
+                complete()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Lets go of what the write holds, without completing it (idempotent)."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            self._complete = None
+            fns, self._on_end = self._on_end, []
+        for fn in fns:
+            fn()
 
 
 class Placer:
@@ -105,8 +145,23 @@ class Placer:
         Runs in the save thread. Raises on any failure (the caller fails the job); the job is
         finished by the caller.
         """
+        results, pending = self.write_deferred(ctx, job, plan, planner)
+        pending.complete()
+        return results
+
+    def write_deferred(
+        self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
+    ) -> tuple[list[WriteResult], PendingWrite]:
+        """:meth:`write` in two steps: places every item and returns their WriteResults (final:
+        where each item's bytes will be) while the data is still being copied and flushed, with
+        the :class:`PendingWrite` whose ``complete()`` waits until it is captured (checking
+        that no lazily captured tensor changed) and durable and writes the rank's manifest.
+
+        The caller must call exactly one of ``complete()`` or ``abandon()`` (which only lets go
+        of what the save holds: the writer fails the job). Both run in the save thread.
+        """
         if self.config.format == "safetensors":  # the safetensors layout (its own module)
-            return write_safetensors(self, ctx, job, plan, planner)
+            return write_safetensors(self, ctx, job, plan, planner), PendingWrite(None)
         if self._incremental is None:
             return self._write(ctx, job, plan, planner, None)
         # Incremental saves: the owners of referenced bytes stay locked (shared) and validated
@@ -115,9 +170,12 @@ class Placer:
         infos = [t.incr for t in job.tensors if t.incr is not None]
         locks = self._incremental.acquire(d.path, d.local, infos)
         try:
-            return self._write(ctx, job, plan, planner, infos)
-        finally:
+            results, pending = self._write(ctx, job, plan, planner, infos)
+        except BaseException:
             locks.release()
+            raise
+        pending.on_end(locks.release)
+        return results, pending
 
     def _write(
         self,
@@ -126,7 +184,7 @@ class Placer:
         plan: SavePlan,
         planner: SavePlanner,
         infos: list[StageInfo] | None,
-    ) -> list[WriteResult]:
+    ) -> tuple[list[WriteResult], PendingWrite]:
         d = ctx.directory()
         d.ensure_exists()
         eng = self._engine
@@ -277,43 +335,45 @@ class Placer:
             ):
                 ext_records.append((e, c, f, off, n, crc))
 
-        # Capture: all copies landed; then the exactness check (unless a barrier did it).
-        eng.wait_captured(job.engine_job)
-        with job.lock:
-            if not job.verified:
-                raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
-                job.verified = True
-            job.release_sources()
-        eng.wait_done(job.engine_job)
-        if copy_early:
-            assert early is not None
-            early.copy_into(d, self.config.durable)
-        if infos:
-            Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
+        def complete() -> None:
+            # Capture: all copies landed; then the exactness check (unless a barrier did it).
+            eng.wait_captured(job.engine_job)
+            with job.lock:
+                if not job.verified:
+                    raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
+                    job.verified = True
+                job.release_sources()
+            eng.wait_done(job.engine_job)
+            if copy_early:
+                assert early is not None
+                early.copy_into(d, self.config.durable)
+            if infos:
+                Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
 
-        with gc_paused():
-            chunks = self.chunk_map(job, ext_records)
-        recs = self.manifest_items(ctx, placed, bytes_crcs, chunks)
-        records: list[ItemRecord] | None = None
-        if self._incremental is not None:  # the records are kept for the tracker
             with gc_paused():
-                records = list(recs) + [rec for _, rec in referenced]
-        # Without references the records and their text are made while they are written.
-        text = encode_manifest(ctx.rank, self.config.checksums, ctx.save_id,
-                               records if records is not None else recs)
-        d.write_atomic(manifest_name(ctx.rank), text, self.config.durable)
-        if self._incremental is not None:
-            assert records is not None
-            if d.local:
-                written = [
-                    (cap.incr, rec)
-                    for (_i, cap, *_r), rec in zip(placed, records, strict=False)
-                    if cap.incr is not None
-                ]
-                self._incremental.record(d.path, ctx.rank, ctx.save_id, written, referenced)
-            else:
-                self._incremental.forget()
-        return results
+                chunks = self.chunk_map(job, ext_records)
+            recs = self.manifest_items(ctx, placed, bytes_crcs, chunks)
+            records: list[ItemRecord] | None = None
+            if self._incremental is not None:  # the records are kept for the tracker
+                with gc_paused():
+                    records = list(recs) + [rec for _, rec in referenced]
+            # Without references the records and their text are made while they are written.
+            text = encode_manifest(ctx.rank, self.config.checksums, ctx.save_id,
+                                   records if records is not None else recs)
+            d.write_atomic(manifest_name(ctx.rank), text, self.config.durable)
+            if self._incremental is not None:
+                assert records is not None
+                if d.local:
+                    written = [
+                        (cap.incr, rec)
+                        for (_i, cap, *_r), rec in zip(placed, records, strict=False)
+                        if cap.incr is not None
+                    ]
+                    self._incremental.record(d.path, ctx.rank, ctx.save_id, written, referenced)
+                else:
+                    self._incremental.forget()
+
+        return results, PendingWrite(complete)
 
     @staticmethod
     def check_planned_shape(ctx: SaveContext, item: WriteItem, cap: CapturedTensor) -> None:

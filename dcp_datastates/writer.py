@@ -71,11 +71,12 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import tempfile
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,7 @@ from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, re
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
 from .errors import CheckpointSaveError, reraisable
+from .gcpause import gc_paused
 from .incremental import IncrementalMode, Tracker, parse_mode
 from .jobs import (
     Binding,
@@ -104,7 +106,7 @@ from .jobs import (
     track_future,
 )
 from .layout import TemplateCache
-from .placement import Placer
+from .placement import PendingWrite, Placer
 from .planner import share_equal_values, share_metadata_values
 from .release import DeferredRelease
 from .tiers import Promoter, attach_persist_stats
@@ -700,26 +702,21 @@ class DataStatesWriter(StorageWriter):
             self._claim_and_prepare(ctx)  # no global plan step (single rank): prepare here
         job = self._bind_job(ctx, plan, planner)
         try:
-            results = self._placer.write(ctx, job, plan, planner)
-            self._table.finish_job(job, ctx.rank)
-            if self._promoter is not None and not ctx.coordinator:
-                # This rank's files are durable; the coordinator's promotion commits the copy.
-                self._submit_promotion(ctx, 0)
+            results, pending = self._placer.write_deferred(ctx, job, plan, planner)
         except BaseException as e:
-            ctx.end_gc_pause()
-            if isinstance(job.error, CheckpointSaveError):
-                # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
-                # the cause; what this thread hit afterwards is only a consequence.
-                self._release_claim(ctx)
-                raise reraisable(job.error) from e
-            err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
-                f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
-            )
-            self._table.fail_job(job, err)
-            self._release_claim(ctx)  # a later save to this path must not find it busy
-            if err is e:
-                raise
-            raise err from e
+            self._raise_write_failure(ctx, job, e)
+        if self._single_process(ctx) and not job.adhoc:
+            # One process, async_save: its results go to finish() while the data still flushes;
+            # finish() waits for it (and pickles the .metadata meanwhile) before it commits.
+            # Should DCP stop before finish(), the job's release (its future completing) fails
+            # it and abandons the pending write. Not dcp.save: nothing would end such a job
+            # until the caller's thread saved again.
+            ctx.pending = pending
+            job.pending_write = pending
+        else:
+            # Several ranks: the coordinator commits once every rank's results arrived, so a
+            # rank's results must mean that its data is durable.
+            self._complete_write(ctx, job, pending)
         if ctx.coordinator:
             ctx.begin_gc_pause()  # DCP gathers every rank's results for finish(): no waits left
         else:
@@ -727,6 +724,42 @@ class DataStatesWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    @staticmethod
+    def _single_process(ctx: SaveContext) -> bool:
+        """Whether this save has one rank (the coordinator): no other rank's data to wait for."""
+        if not ctx.coordinator:
+            return False
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _complete_write(self, ctx: SaveContext, job: SaveJob, pending: PendingWrite) -> None:
+        """Waits until this rank's data is durable and its manifest written; finishes the job.
+        Raises (failing the job) on any failure."""
+        try:
+            pending.complete()
+            self._table.finish_job(job, ctx.rank)
+            if self._promoter is not None and not ctx.coordinator:
+                # This rank's files are durable; the coordinator's promotion commits the copy.
+                self._submit_promotion(ctx, 0)
+        except BaseException as e:
+            self._raise_write_failure(ctx, job, e)
+
+    def _raise_write_failure(self, ctx: SaveContext, job: SaveJob, e: BaseException) -> NoReturn:
+        """Fails ``job`` for ``e`` (unless it failed elsewhere first) and raises the error."""
+        ctx.end_gc_pause()
+        if isinstance(job.error, CheckpointSaveError):
+            # Failed elsewhere first (a barrier found a changed tensor, an abort): that is
+            # the cause; what this thread hit afterwards is only a consequence.
+            self._release_claim(ctx)
+            raise reraisable(job.error) from e
+        err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
+            f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+        )
+        self._table.fail_job(job, err)
+        self._release_claim(ctx)  # a later save to this path must not find it busy
+        if err is e:
+            raise
+        raise err from e
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         ctx = self._context()
@@ -738,7 +771,19 @@ class DataStatesWriter(StorageWriter):
             metadata.storage_data = storage_md
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
             share_metadata_values(metadata)  # pickled into .metadata and by DCP's broadcast
-            ctx.directory().commit(metadata, self.config.durable)
+            blob: bytes | None = None
+            pending, ctx.pending = ctx.pending, None
+            if pending is not None:
+                job = ctx.job
+                assert job is not None
+                job.pending_write = None
+                with gc_paused():  # an object per item (see dcp_datastates.gcpause)
+                    blob = pickle.dumps(metadata)  # while the data is still flushing
+                if not job.adhoc:
+                    ctx.end_gc_pause()  # async_save: training runs while this thread waits
+                self._complete_write(ctx, job, pending)
+                ctx.begin_gc_pause()  # the commit and DCP's broadcast of the result
+            ctx.directory().commit(metadata, self.config.durable, blob=blob)
             self._table.mark_committed(ctx.path, time.perf_counter())
             if ctx.job is not None and not ctx.job.adhoc:
                 self._released.hold(metadata)  # async_save's result: see release.py
@@ -780,6 +825,9 @@ class DataStatesWriter(StorageWriter):
             return
         ctx.ended = True
         ctx.end_gc_pause()  # DCP stopped between two calls (a planner error, a collective)
+        pending, ctx.pending = ctx.pending, None
+        if pending is not None:  # between write_data and finish(): the job fails below (dcp.save)
+            pending.abandon()  # or by its binding (async_save); nothing was committed
         self._release_claim(ctx)
         job = ctx.job
         if job is not None and job.adhoc and not job.finished:
@@ -834,6 +882,9 @@ class DataStatesWriter(StorageWriter):
     ) -> None:
         """Ends a staged job's protocol: fails it if its data was never written, drops it."""
         self._table.release_job(job, why, cause, quiet, path=self.path)
+        pending, job.pending_write = job.pending_write, None
+        if pending is not None:  # DCP stopped between write_data and finish()
+            pending.abandon()
 
     def _check_owner(self) -> None:
         if os.getpid() != self._pid:

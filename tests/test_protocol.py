@@ -7,6 +7,7 @@ Every wait here has a timeout, so a regression fails instead of hanging the suit
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import gc
 import os
 import subprocess
@@ -100,6 +101,104 @@ def test_save_failing_before_write_leaves_nothing_behind(
     c = w.engine_counters()
     assert c["jobs"] == 0 and c["cache_used_bytes"] == 0, c
     assert not os.path.exists(tmp_path / "bad" / ".metadata")
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_one_process_gathers_and_pickles_while_its_data_flushes(
+    tmp_path: Any, make_writer: Any, mode: str
+) -> None:
+    # One process, async_save: write_data hands DCP the results at placement, so DCP's gather
+    # and the .metadata pickle overlap the flush; finish() waits for the data before the commit.
+    # dcp.save keeps the results until the data is durable (nothing would end its job should
+    # DCP stop in between).
+    w: DataStatesWriter = make_writer(chunk_size="64KiB")
+    w.engine.set_delays(0, 20_000, 3)  # up to 20 ms per write: the flush is still busy
+    seen: list[bool] = []
+    real_finish = w.finish
+
+    def finish(metadata: Any, results: Any) -> None:
+        job = w._context().job
+        assert job is not None
+        seen.append(job.finished or w.engine.is_done(job.engine_job))  # finished: durable
+        real_finish(metadata, results)
+
+    w.finish = finish  # type: ignore[method-assign]
+    sd = {f"t{i}": torch.randn(20_000) for i in range(16)}
+    want = {k: v.clone() for k, v in sd.items()}
+    path = str(tmp_path / mode)
+    if mode == "save":
+        dcp.save(sd, storage_writer=w, checkpoint_id=path)
+    else:
+        fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=path)
+        for v in sd.values():  # training goes on: the checkpoint keeps the state at the call
+            v.add_(1)
+        fut.result(timeout=T)
+    assert seen == [mode == "save"], seen
+    st = w.save_stats()[-1]
+    assert st["t_done"] <= st["t_committed"]  # committed after the data was durable
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(out, checkpoint_id=path)
+    assert all(torch.equal(out[k], want[k]) for k in want)
+
+
+def test_a_flush_failing_after_the_results_commits_nothing(
+    tmp_path: Any, make_writer: Any
+) -> None:
+    from dcp_datastates import _core
+
+    w: DataStatesWriter = make_writer(chunk_size="64KiB")
+    w.engine.set_delays(0, 20_000, 5)
+    path = str(tmp_path / "late-eio")
+    _core.set_write_fault("late-eio/__0_1", errno.EIO)  # the second data file only
+    try:
+        sd = {f"t{i}": torch.randn(20_000) for i in range(16)}
+        with pytest.raises(BaseException, match="Input/output error"):
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=path).result(timeout=T)
+    finally:
+        _core.set_write_fault("", 0)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    healthy_save(w, path)  # the path is free again, and the writer keeps working
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_dcp_stopping_between_write_and_finish_releases_the_save(
+    tmp_path: Any, make_writer: Any, monkeypatch: Any, mode: str
+) -> None:
+    # DCP fails after write_data returned (here: its gather of the results) and never calls
+    # finish(): the save fails, nothing is committed, the path and the cache are free again.
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    w: DataStatesWriter = make_writer()
+    real = dcp_utils._DistWrapper.gather_object
+    calls = {"n": 0}
+
+    def gather_object(self: Any, obj: Any) -> Any:
+        if isinstance(obj, list) and obj and type(obj[0]).__name__ == "WriteResult":
+            calls["n"] += 1
+            raise RuntimeError("the gather of the write results was lost")
+        return real(self, obj)
+
+    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", gather_object)
+    path = str(tmp_path / "lost")
+    with pytest.raises(BaseException, match="gather of the write results was lost"):
+        if mode == "save":
+            dcp.save({"x": torch.randn(50_000)}, storage_writer=w, checkpoint_id=path)
+        else:
+            dcp.async_save({"x": torch.randn(50_000)}, storage_writer=w,
+                           checkpoint_id=path).result(timeout=T)
+    assert calls["n"] == 1
+    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", real)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    if mode == "save":  # a retry from the same thread (the failed save's context ends there)
+        dcp.save({"x": torch.ones(3)}, storage_writer=w, checkpoint_id=path)
+        out = {"x": torch.zeros(3)}
+        dcp.load(out, checkpoint_id=path)
+        assert torch.equal(out["x"], torch.ones(3))
+    else:
+        healthy_save(w, path)
+    assert w.wait(timeout=T)
+    c = w.engine_counters()
+    assert c["jobs"] == 0 and c["cache_used_bytes"] == 0, c
 
 
 def test_unread_error_is_raised_once_at_the_barrier_and_next_save_kept(
