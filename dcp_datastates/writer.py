@@ -779,8 +779,7 @@ class DataStatesWriter(StorageWriter):
                 job.pending_write = None
                 with gc_paused():  # an object per item (see dcp_datastates.gcpause)
                     blob = pickle.dumps(metadata)  # while the data is still flushing
-                if not job.adhoc:
-                    ctx.end_gc_pause()  # async_save: training runs while this thread waits
+                ctx.end_gc_pause()  # training runs while this thread waits for the data
                 self._complete_write(ctx, job, pending)
                 ctx.begin_gc_pause()  # the commit and DCP's broadcast of the result
             ctx.directory().commit(metadata, self.config.durable, blob=blob)
@@ -826,8 +825,8 @@ class DataStatesWriter(StorageWriter):
         ctx.ended = True
         ctx.end_gc_pause()  # DCP stopped between two calls (a planner error, a collective)
         pending, ctx.pending = ctx.pending, None
-        if pending is not None:  # between write_data and finish(): the job fails below (dcp.save)
-            pending.abandon()  # or by its binding (async_save); nothing was committed
+        if pending is not None:  # between write_data and finish(): nothing was committed; the
+            pending.abandon()  # job fails by its binding's release (async_save)
         self._release_claim(ctx)
         job = ctx.job
         if job is not None and job.adhoc and not job.finished:
