@@ -18,8 +18,11 @@ our manifests (any other DCP checkpoint), items a manifest does not describe exa
 
 Memory: a read item that is a whole saved chunk and whose target is a contiguous CPU tensor of
 the same dtype is read straight into the target. Other items (resharded parts, other dtypes,
-CUDA targets) are read into temporary CPU tensors, at most ``buffer_size`` bytes of them at a
-time (one chunk larger than that is read alone), then copied into their targets.
+CUDA targets) are read into temporary CPU tensors in batches of at most ``buffer_size`` bytes
+(one chunk larger than that is read alone), then copied into their targets; while one batch is
+copied, the next is read, so at most two batches of temporaries exist. Temporaries of CUDA
+targets are pinned (page-locked) where possible and copied asynchronously in the current
+stream's order; ``read_data`` synchronizes those devices before it returns.
 
 Failures: a checksum mismatch, a truncated file or an I/O error raises
 :class:`~dcp_datastates.errors.IntegrityError` (damage) or ``OSError`` naming the tensor, the
@@ -27,11 +30,15 @@ file and the byte range; DCP reports it from ``dcp.load`` like any reader error.
 failed load may hold partial data.
 
 Threads: ``read_data`` runs in the caller's thread; the native reader starts ``threads`` threads
-per batch and joins them before returning (the GIL is released meanwhile).
+per batch and joins them before returning (the GIL is released meanwhile). With more than one
+batch, one helper thread (``dcp_datastates-read``) runs the native reads while the caller's
+thread copies; it is joined before ``read_data`` returns or raises (reads not yet begun are
+cancelled), so no temporary is freed while a read may write into it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import os
@@ -249,22 +256,76 @@ class DataStatesReader(FileSystemReader):
         planner.load_bytes(req, io.BytesIO(data))
 
     def _read_tensors(self, chunks: list[_Chunk], planner: LoadPlanner) -> int:
-        """Reads the chunks in batches (temporaries bounded by buffer_bytes); returns bytes."""
-        total = 0
-        batch: list[_Chunk] = []
+        """Reads the chunks in batches (temporaries bounded by buffer_bytes); returns bytes.
+
+        With several batches, a helper thread reads the next batch (native, GIL released) while
+        this thread copies the previous one into its targets: at most two batches of temporaries
+        exist at a time. Temporaries for CUDA targets are pinned where possible and copied
+        asynchronously; every device copied to is synchronized before this returns.
+        """
+        batches: list[list[_Chunk]] = [[]]
         temp_bytes = 0
         for ch in chunks:
             self._choose_destination(ch, planner)
             if not ch.direct:
-                if batch and temp_bytes + ch.rec.payload_bytes > self.buffer_bytes:
-                    total += self._read_batch(batch, planner)
-                    batch, temp_bytes = [], 0
+                if batches[-1] and temp_bytes + ch.rec.payload_bytes > self.buffer_bytes:
+                    batches.append([])
+                    temp_bytes = 0
                 temp_bytes += ch.rec.payload_bytes
-                ch.dst = torch.empty(ch.rec.shape, dtype=ch.dtype)
-            batch.append(ch)
-        if batch:
-            total += self._read_batch(batch, planner)
+            batches[-1].append(ch)
+        batches = [b for b in batches if b]
+        devices: set[torch.device] = set()  # targets of asynchronous copies
+        try:
+            if len(batches) > 1:
+                return self._read_pipelined(batches, planner, devices)
+            total = 0
+            for batch in batches:
+                self._allocate(batch)
+                total += self._read_batch(batch)
+                self._deliver_batch(batch, planner, devices)
+            return total
+        finally:
+            for device in devices:
+                torch.cuda.synchronize(device)
+
+    def _read_pipelined(
+        self, batches: list[list[_Chunk]], planner: LoadPlanner, devices: set[torch.device]
+    ) -> int:
+        """Batch k+1 is read by one helper thread while batch k is delivered here. Whatever
+        happens, no temporary is dropped while a native read may still write into it (the
+        helper is joined first; reads not yet begun are cancelled)."""
+        total = 0
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-read")
+        try:
+            prev: tuple[list[_Chunk], concurrent.futures.Future[int]] | None = None
+            for batch in batches:
+                self._allocate(batch)
+                fut = pool.submit(self._read_batch, batch)
+                if prev is not None:
+                    total += prev[1].result()
+                    self._deliver_batch(prev[0], planner, devices)
+                prev = (batch, fut)
+            assert prev is not None
+            total += prev[1].result()
+            self._deliver_batch(prev[0], planner, devices)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         return total
+
+    @staticmethod
+    def _allocate(batch: list[_Chunk]) -> None:
+        """The temporaries of a batch's chunks that are not read into their targets."""
+        for ch in batch:
+            if ch.direct:
+                continue
+            pin = ch.target is not None and ch.target.is_cuda
+            if pin:
+                try:
+                    ch.dst = torch.empty(ch.rec.shape, dtype=ch.dtype, pin_memory=True)
+                    continue
+                except RuntimeError:  # no page-locked memory left: pageable, synchronous copy
+                    pass
+            ch.dst = torch.empty(ch.rec.shape, dtype=ch.dtype)
 
     def _choose_destination(self, ch: _Chunk, planner: LoadPlanner) -> None:
         """Reads straight into the target when one request wants the whole chunk as it is."""
@@ -288,7 +349,9 @@ class DataStatesReader(FileSystemReader):
         else:
             ch.target = target  # resolved once: _deliver copies into it
 
-    def _read_batch(self, batch: list[_Chunk], planner: LoadPlanner) -> int:
+    def _read_batch(self, batch: list[_Chunk]) -> int:
+        """Reads a batch's payloads into their destinations (native, GIL released); returns
+        the bytes read. Runs in this thread or the pipeline's helper."""
         root = os.fspath(self.path)
         paths: list[str] = []
         path_ids: dict[str, int] = {}
@@ -335,11 +398,15 @@ class DataStatesReader(FileSystemReader):
                     raise IntegrityError(f"{root}: {msg}") from None
                 raise OSError(f"{root}: {msg}") from None
             nbytes = int(st["bytes"])
-        for ch in batch:
-            self._deliver(ch, planner)
         return nbytes
 
-    def _deliver(self, ch: _Chunk, planner: LoadPlanner) -> None:
+    def _deliver_batch(
+        self, batch: list[_Chunk], planner: LoadPlanner, devices: set[torch.device]
+    ) -> None:
+        for ch in batch:
+            self._deliver(ch, planner, devices)
+
+    def _deliver(self, ch: _Chunk, planner: LoadPlanner, devices: set[torch.device]) -> None:
         assert ch.dst is not None
         if ch.direct:
             planner.commit_tensor(ch.reqs[0], ch.dst)
@@ -354,7 +421,13 @@ class DataStatesReader(FileSystemReader):
                     f"'{req.storage_index.fqn}': the load plan wants shape {tuple(target.size())} "
                     f"but reads {tuple(src.size())} from the checkpoint"
                 )
-            target.copy_(src)
+            # From pinned memory into a GPU tensor: asynchronous, in the current stream's order
+            # (later work on it waits); read_data synchronizes the device before it returns.
+            if target.is_cuda and src.is_pinned():
+                target.copy_(src, non_blocking=True)
+                devices.add(target.device)
+            else:
+                target.copy_(src)
             planner.commit_tensor(req, target)
         ch.dst = None  # the temporary is freed with the batch
         ch.target = None

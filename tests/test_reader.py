@@ -4,6 +4,7 @@ tensor and file), fallback to the stock path, and the stock reader still loading
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -94,6 +95,61 @@ def test_converting_and_partial_targets_use_bounded_temporaries(tmp_path: Any) -
     assert torch.equal(dest["b"], sd["b"])
     assert torch.equal(dest["c"], sd["c"])
     assert reader.last_read["stock_items"] == 0
+
+
+def _converted_state(n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``n`` saved tensors and targets that all need temporaries (another dtype, strided)."""
+    g = torch.Generator().manual_seed(11)
+    sd = {f"t{i:02d}": torch.randn(int(torch.randint(200, 9000, (1,), generator=g)), generator=g)
+          for i in range(n)}
+    dest = {k: torch.zeros(v.numel(), dtype=torch.float64) if i % 2 else
+            torch.zeros(v.numel() * 2)[::2] for i, (k, v) in enumerate(sd.items())}
+    return sd, dest
+
+
+def test_many_batches_are_read_while_the_previous_is_copied(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    # buffer_size far below the state: dozens of batches, the next one read by the helper
+    # thread while this thread copies the previous one into its targets; all bit-exact.
+    root = str(tmp_path / "ckpt")
+    sd, dest = _converted_state(40)
+    save(root, sd)
+    readers: list[str] = []
+    real = DataStatesReader._read_batch
+
+    def read_batch(self: DataStatesReader, batch: Any) -> int:
+        readers.append(threading.current_thread().name)
+        return real(self, batch)
+
+    monkeypatch.setattr(DataStatesReader, "_read_batch", read_batch)
+    reader = DataStatesReader(root, buffer_size="48KiB", threads=2)
+    load(root, dest, reader)
+    assert len(readers) >= 10 and all(n.startswith("dcp_datastates-read") for n in readers)
+    for k, v in sd.items():
+        assert torch.equal(dest[k], v.to(dest[k].dtype)), k
+    assert reader.last_read["native_bytes"] == sum(v.nbytes for v in sd.values())
+    assert reader.last_read["stock_items"] == 0
+
+
+def test_damage_in_a_later_batch_fails_the_pipelined_load_cleanly(tmp_path: Any) -> None:
+    root = str(tmp_path / "ckpt")
+    sd, dest = _converted_state(40)
+    save(root, sd)
+    path, off = _payload_offset(root, "t31")
+    with open(path, "r+b") as f:
+        f.seek(off + 3)
+        b = f.read(1)
+        f.seek(off + 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(BaseException) as ei:
+        load(root, dest, DataStatesReader(root, buffer_size="48KiB", threads=2))
+    assert "checksum mismatch" in str(ei.value) and "'t31'" in str(ei.value)
+    # no helper thread is left behind (writing into freed temporaries), and loading goes on
+    assert not [t for t in threading.enumerate() if t.name.startswith("dcp_datastates-read")]
+    sd2, dest2 = _converted_state(40)
+    load(root, dest2, DataStatesReader(root, verify=False, buffer_size="48KiB"))
+    assert torch.equal(dest2["t00"], sd2["t00"].to(dest2["t00"].dtype))
 
 
 def _payload_offset(root: str, fqn: str) -> tuple[str, int]:
