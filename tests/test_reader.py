@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -150,6 +151,43 @@ def test_damage_in_a_later_batch_fails_the_pipelined_load_cleanly(tmp_path: Any)
     sd2, dest2 = _converted_state(40)
     load(root, dest2, DataStatesReader(root, verify=False, buffer_size="48KiB"))
     assert torch.equal(dest2["t00"], sd2["t00"].to(dest2["t00"].dtype))
+
+
+def test_the_collector_is_paused_for_the_load_and_resumes_after(tmp_path: Any) -> None:
+    import gc
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    seen: list[bool] = []
+
+    class Probe(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            seen.append(gc.isenabled())
+            super().commit_tensor(read_item, tensor)
+
+    def collector_back() -> bool:  # a save's pause ends 0.1 s after it (gcpause.py)
+        for _ in range(100):
+            if gc.isenabled():
+                return True
+            time.sleep(0.05)
+        return False
+
+    root = str(tmp_path / "ckpt")
+    sd = state()
+    save(root, sd)
+    assert collector_back()
+    dest = zeros_like_state(sd)
+    in_thread(lambda: dcp.load(dest, storage_reader=DataStatesReader(root), checkpoint_id=root,
+                               planner=Probe(), no_dist=True), what="dcp.load")
+    assert seen and not any(seen)  # paused while the items were read
+    assert gc.isenabled()  # at once: the load ends its pause itself
+    path, off = _payload_offset(root, "big")  # a failing load resumes it too
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(b"\xff\xff")
+    with pytest.raises(BaseException, match="checksum mismatch"):
+        load(root, zeros_like_state(sd), DataStatesReader(root))
+    assert gc.isenabled()
 
 
 def _payload_offset(root: str, fqn: str) -> tuple[str, int]:
