@@ -698,3 +698,16 @@ def raise_if_modified(job: SaveJob, checkpoint: str) -> None:
             "may change only in their optimizer's step() (which waits for the copy); call "
             "writer.wait_captured() before changing them elsewhere, or use capture='eager'."
         )
+
+
+def wait_written(engine: Engine, job: SaveJob, checkpoint: str) -> None:
+    """Waits until every copy of ``job`` landed, checks (unless a barrier did) that no lazily
+    captured tensor changed before that (:func:`raise_if_modified`), drops the sources the
+    engine no longer reads, then waits until the job's data is durable. Raises on any failure."""
+    engine.wait_captured(job.engine_job)
+    with job.lock:
+        if not job.verified:
+            raise_if_modified(job, checkpoint)
+            job.verified = True
+        job.release_sources()
+    engine.wait_done(job.engine_job)

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _core
-from .capture import CapturedTensor, SaveJob, Stager, raise_if_modified
+from .capture import CapturedTensor, SaveJob, Stager, wait_written
 from .commit import manifest_name
 from .config import WriterConfig
 from .contexts import SaveContext
@@ -336,14 +336,7 @@ class Placer:
                 ext_records.append((e, c, f, off, n, crc))
 
         def complete() -> None:
-            # Capture: all copies landed; then the exactness check (unless a barrier did it).
-            eng.wait_captured(job.engine_job)
-            with job.lock:
-                if not job.verified:
-                    raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
-                    job.verified = True
-                job.release_sources()
-            eng.wait_done(job.engine_job)
+            wait_written(eng, job, f"{ctx.path} (rank {ctx.rank})")
             if copy_early:
                 assert early is not None
                 early.copy_into(d, self.config.durable)

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import _core
-from .capture import raise_if_modified
+from .capture import wait_written
 from .commit import manifest_name
 from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
@@ -344,14 +344,7 @@ def write_safetensors(
         for e, _c, off, n, crc in write_sequential(eng, job.engine_job, d.fs, d.join(name), items):
             ext.append((e, off, n, crc))
 
-    # Capture: all copies landed; then the exactness check (unless a barrier did it).
-    eng.wait_captured(job.engine_job)
-    with job.lock:
-        if not job.verified:
-            raise_if_modified(job, f"{ctx.path} (rank {ctx.rank})")
-            job.verified = True
-        job.release_sources()
-    eng.wait_done(job.engine_job)
+    wait_written(eng, job, f"{ctx.path} (rank {ctx.rank})")
 
     by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
     for e, _c, _file, off, _entry_off, n, crc in eng.chunk_records(job.engine_job):
