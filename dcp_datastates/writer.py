@@ -18,7 +18,8 @@ call                        thread / ranks  what happens here
 ``write_data(plan, pl.)``   all             the job is found (by staged-object identity) or
                                             created (dcp.save); items placed in files; the
                                             engine flushes as copies land; waits until durable;
-                                            writes this rank's manifest
+                                            writes this rank's manifest (one process,
+                                            async_save: returns once placed, finish waits)
 ``finish(metadata, res.)``  coordinator     ``.metadata`` written atomically: the commit
 ==========================  ==============  ==================================================
 
@@ -35,13 +36,14 @@ them in the host cache, and verifies that none was modified meanwhile; nothing t
 Threads: stage/protect/wait_captured run in the training thread; the DCP protocol calls run in
 whatever thread runs the save (one per async_save); several saves may be in flight on one writer
 (their protocol state lives in a thread-local context). Native copy/flush threads never call Python.
-Failures: a failed save raises CheckpointSaveError from write_data (hence on the save's future as
-DCP's CheckpointException); nothing is committed for it and its cache space is returned. Each error
-is reported once per channel: always on the save's future, then once at the next explicit barrier
-(``wait_captured``, a ``protect()`` hook, ``synchronize_staging``) or ``wait()`` unless the caller
-already read it from the future (``result()``/``exception()``) or from ``dcp.save``. The automatic
-step barrier never raises (it logs), the next save logs it, ``close()`` logs it. A later save is
-never refused because an earlier one failed.
+Failures: a failed save raises CheckpointSaveError from write_data, or from finish where one
+process's async_save handed its results over before its data was durable (hence on the save's
+future as DCP's CheckpointException); nothing is committed for it and its cache space is returned.
+Each error is reported once per channel: always on the save's future, then once at the next
+explicit barrier (``wait_captured``, a ``protect()`` hook, ``synchronize_staging``) or ``wait()``
+unless the caller already read it from the future (``result()``/``exception()``) or from
+``dcp.save``. The automatic step barrier never raises (it logs), the next save logs it, ``close()``
+logs it. A later save is never refused because an earlier one failed.
 
 Lifecycle of a staged job (it must never be left behind, or later saves, ``wait`` and ``close``
 would wait on it forever):
