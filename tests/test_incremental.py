@@ -363,3 +363,44 @@ def test_incremental_with_safetensors_format_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="format='torch'"):
         DataStatesWriter(str(tmp_path), host_cache_size="16MiB", incremental=True,
                          format="safetensors")
+
+
+def test_a_save_dcp_abandons_after_its_results_releases_the_owners(
+    tmp_path: Path, writer_factory, monkeypatch: pytest.MonkeyPatch
+):
+    # One process: write_data hands over the results before the data is durable, holding the
+    # owners' shared locks until finish(). Should DCP stop in between (here its gather of the
+    # results fails), the failed save's release lets the owners go: they can be deleted.
+    import time
+
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    from dcp_datastates import commit
+
+    model, opt = _make()
+    _train(model, opt)
+    w = writer_factory()
+    _save(w, _state(model, opt, 1), tmp_path / "step-1")
+    real = dcp_utils._DistWrapper.gather_object
+
+    def gather_object(self: Any, obj: Any) -> Any:
+        if isinstance(obj, list) and obj and type(obj[0]).__name__ == "WriteResult":
+            raise RuntimeError("the gather of the write results was lost")
+        return real(self, obj)
+
+    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", gather_object)
+    _train(model, opt)
+    with pytest.raises(BaseException, match="gather of the write results was lost"):
+        _save(w, _state(model, opt, 2), tmp_path / "step-2")
+    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", real)
+    assert not (tmp_path / "step-2" / ".metadata").exists()
+    fd = None
+    for _ in range(100):  # the release runs in the future's callbacks, just after result()
+        fd = commit.lock_marker(str(tmp_path / "step-1"), create=True, purpose="a test deletion")
+        if fd is not None:
+            break
+        time.sleep(0.02)
+    assert fd is not None, "the abandoned save still holds the owner's shared lock"
+    commit.unlock_marker(fd)
+    _save(w, _state(model, opt, 3), tmp_path / "step-3")  # the writer goes on
+    _assert_loads_exactly(tmp_path / "step-3", model, opt)
