@@ -52,8 +52,9 @@ logger = logging.getLogger("dcp_datastates.writer")
 
 class PendingWrite:
     """The second half of :meth:`Placer.write_deferred`: the wait until one rank's data is
-    captured and durable, and its manifest. Runs once, in the save thread; ``abandon()`` instead
-    only releases what the save holds (its callbacks from :meth:`on_end`)."""
+    captured and durable, and its manifest. ``complete()`` runs once, in the save thread;
+    ``abandon()`` instead (any thread, idempotent) only releases what the save holds (its
+    callbacks from :meth:`on_end`)."""
 
     def __init__(self, complete: Callable[[], None] | None) -> None:
         self._complete = complete
@@ -157,8 +158,8 @@ class Placer:
         the :class:`PendingWrite` whose ``complete()`` waits until it is captured (checking
         that no lazily captured tensor changed) and durable and writes the rank's manifest.
 
-        The caller must call exactly one of ``complete()`` or ``abandon()`` (which only lets go
-        of what the save holds: the writer fails the job). Both run in the save thread.
+        The caller must call exactly one of ``complete()`` (in the save thread) or ``abandon()``
+        (which only lets go of what the save holds, from any thread: the writer fails the job).
         """
         if self.config.format == "safetensors":  # the safetensors layout (its own module)
             return write_safetensors(self, ctx, job, plan, planner), PendingWrite(None)
