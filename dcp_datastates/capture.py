@@ -112,7 +112,8 @@ class SaveJob:
     finished: bool = False  # written or failed; its engine job is forgotten
     protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
     early: Any = None  # its EarlyPlacement (dcp_datastates.early), placed before DCP planned
-    # Its placement.PendingWrite between write_data and finish() (one process, async_save)
+    # One process, async_save: write_data returned its results before the data was durable;
+    # finish() completes this placement.PendingWrite before the commit. None otherwise.
     pending_write: Any = None
     gc_pause: ProtocolPause | None = None  # from stage() until its save thread takes it
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -25,7 +25,6 @@ from .commit import CheckpointDir, claim_and_prepare, release_path
 from .gcpause import ProtocolPause
 
 if TYPE_CHECKING:
-    from .placement import PendingWrite
     from .writer import DataStatesWriter
 
 
@@ -49,9 +48,6 @@ class SaveContext:
     ended: bool = False
     storage_options: dict[str, Any] | None = None  # fsspec options of non-local URLs
     gc_pause: ProtocolPause | None = None  # collector off during DCP's planning (gcpause.py)
-    # One process: write_data returned its results before the data was durable; finish() waits
-    # for it (placement.PendingWrite) before the commit. None otherwise.
-    pending: PendingWrite | None = None
 
     def end_gc_pause(self) -> None:
         """Ends the collector pause this save holds, if any (idempotent)."""

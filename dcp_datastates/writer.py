@@ -713,7 +713,6 @@ class DataStatesWriter(StorageWriter):
             # Should DCP stop before finish(), the job's release (its future completing) fails
             # it and abandons the pending write. Not dcp.save: nothing would end such a job
             # until the caller's thread saved again.
-            ctx.pending = pending
             job.pending_write = pending
         else:
             # Several ranks: the coordinator commits once every rank's results arrived, so a
@@ -774,9 +773,9 @@ class DataStatesWriter(StorageWriter):
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
             share_metadata_values(metadata)  # pickled into .metadata and by DCP's broadcast
             blob: bytes | None = None
-            pending, ctx.pending = ctx.pending, None
+            job = ctx.job
+            pending = job.pending_write if job is not None else None
             if pending is not None:
-                job = ctx.job
                 assert job is not None
                 job.pending_write = None
                 with gc_paused():  # an object per item (see dcp_datastates.gcpause)
@@ -826,11 +825,13 @@ class DataStatesWriter(StorageWriter):
             return
         ctx.ended = True
         ctx.end_gc_pause()  # DCP stopped between two calls (a planner error, a collective)
-        pending, ctx.pending = ctx.pending, None
-        if pending is not None:  # between write_data and finish(): nothing was committed; the
-            pending.abandon()  # job fails by its binding's release (async_save)
-        self._release_claim(ctx)
         job = ctx.job
+        pending = job.pending_write if job is not None else None
+        if pending is not None:
+            # Between write_data and finish(): nothing was committed; the job fails by its
+            # binding's release (async_save), which abandons the pending write too.
+            pending.abandon()
+        self._release_claim(ctx)
         if job is not None and job.adhoc and not job.finished:
             self._table.fail_job(
                 job,

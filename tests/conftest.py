@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -94,3 +95,26 @@ def writer_factory(tmp_path: Any) -> Iterator[Any]:
     yield make
     for w in made:
         w.close()
+
+
+@contextlib.contextmanager
+def results_gather_lost() -> Iterator[dict[str, int]]:
+    """Inside, DCP's gather of the write results fails ("the gather of the write results was
+    lost"): DCP stops after ``write_data`` returned, without calling ``finish()``. Yields the
+    count of gathers failed so."""
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    real = dcp_utils._DistWrapper.gather_object
+    calls = {"n": 0}
+
+    def gather_object(self: Any, obj: Any) -> Any:
+        if isinstance(obj, list) and obj and type(obj[0]).__name__ == "WriteResult":
+            calls["n"] += 1
+            raise RuntimeError("the gather of the write results was lost")
+        return real(self, obj)
+
+    dcp_utils._DistWrapper.gather_object = gather_object  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        dcp_utils._DistWrapper.gather_object = real  # type: ignore[method-assign]

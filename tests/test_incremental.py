@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from conftest import results_gather_lost
 from dist_utils import run_ranks
 
 from dcp_datastates import DataStatesWriter
@@ -366,14 +367,12 @@ def test_incremental_with_safetensors_format_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_save_dcp_abandons_after_its_results_releases_the_owners(
-    tmp_path: Path, writer_factory, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, writer_factory
 ):
     # One process: write_data hands over the results before the data is durable, holding the
     # owners' shared locks until finish(). Should DCP stop in between (here its gather of the
     # results fails), the failed save's release lets the owners go: they can be deleted.
     import time
-
-    from torch.distributed.checkpoint import utils as dcp_utils
 
     from dcp_datastates import commit
 
@@ -381,18 +380,10 @@ def test_a_save_dcp_abandons_after_its_results_releases_the_owners(
     _train(model, opt)
     w = writer_factory()
     _save(w, _state(model, opt, 1), tmp_path / "step-1")
-    real = dcp_utils._DistWrapper.gather_object
-
-    def gather_object(self: Any, obj: Any) -> Any:
-        if isinstance(obj, list) and obj and type(obj[0]).__name__ == "WriteResult":
-            raise RuntimeError("the gather of the write results was lost")
-        return real(self, obj)
-
-    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", gather_object)
     _train(model, opt)
-    with pytest.raises(BaseException, match="gather of the write results was lost"):
-        _save(w, _state(model, opt, 2), tmp_path / "step-2")
-    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", real)
+    with results_gather_lost():
+        with pytest.raises(BaseException, match="gather of the write results was lost"):
+            _save(w, _state(model, opt, 2), tmp_path / "step-2")
     assert not (tmp_path / "step-2" / ".metadata").exists()
     fd = None
     for _ in range(100):  # the release runs in the future's callbacks, just after result()

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import in_thread
+from conftest import in_thread, results_gather_lost
 from dist_utils import run_ranks
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -162,32 +162,20 @@ def test_a_flush_failing_after_the_results_commits_nothing(
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
 def test_dcp_stopping_between_write_and_finish_releases_the_save(
-    tmp_path: Any, make_writer: Any, monkeypatch: Any, mode: str
+    tmp_path: Any, make_writer: Any, mode: str
 ) -> None:
     # DCP fails after write_data returned (here: its gather of the results) and never calls
     # finish(): the save fails, nothing is committed, the path and the cache are free again.
-    from torch.distributed.checkpoint import utils as dcp_utils
-
     w: DataStatesWriter = make_writer()
-    real = dcp_utils._DistWrapper.gather_object
-    calls = {"n": 0}
-
-    def gather_object(self: Any, obj: Any) -> Any:
-        if isinstance(obj, list) and obj and type(obj[0]).__name__ == "WriteResult":
-            calls["n"] += 1
-            raise RuntimeError("the gather of the write results was lost")
-        return real(self, obj)
-
-    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", gather_object)
     path = str(tmp_path / "lost")
-    with pytest.raises(BaseException, match="gather of the write results was lost"):
-        if mode == "save":
-            dcp.save({"x": torch.randn(50_000)}, storage_writer=w, checkpoint_id=path)
-        else:
-            dcp.async_save({"x": torch.randn(50_000)}, storage_writer=w,
-                           checkpoint_id=path).result(timeout=T)
+    with results_gather_lost() as calls:
+        with pytest.raises(BaseException, match="gather of the write results was lost"):
+            if mode == "save":
+                dcp.save({"x": torch.randn(50_000)}, storage_writer=w, checkpoint_id=path)
+            else:
+                dcp.async_save({"x": torch.randn(50_000)}, storage_writer=w,
+                               checkpoint_id=path).result(timeout=T)
     assert calls["n"] == 1
-    monkeypatch.setattr(dcp_utils._DistWrapper, "gather_object", real)
     assert not os.path.exists(os.path.join(path, ".metadata"))
     if mode == "save":  # a retry from the same thread (the failed save's context ends there)
         dcp.save({"x": torch.ones(3)}, storage_writer=w, checkpoint_id=path)

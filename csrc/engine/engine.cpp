@@ -1059,8 +1059,7 @@ void Engine::do_flush_chunk(Job& job, std::uint32_t entry, std::uint32_t chunk) 
 std::vector<std::uint32_t> Engine::take_run_locked(Job& job, std::uint32_t lead) {
   std::vector<std::uint32_t> run{lead};
   const Entry& first = job.entries[lead];
-  std::uint64_t end =
-      first.payload_offset + first.bytes + (first.trailer ? first.trailer->size() : 0);
+  std::uint64_t end = item_end(first);
   std::size_t total = first.bytes;
   const std::size_t window = std::min(flush_queue_.size(), kCombineScan);
   std::vector<bool> taken(window, false);
@@ -1071,18 +1070,15 @@ std::vector<std::uint32_t> Engine::take_run_locked(Job& job, std::uint32_t lead)
     if (t.kind != FlushKind::kChunk || t.job != job.id || t.chunk != 0) continue;
     const Entry& e = job.entries[t.entry];
     if (!combinable(e) || e.file != first.file) continue;
-    const std::uint64_t head = e.header ? e.header->size() : 0;
-    if (e.payload_offset < head) continue;
-    const std::uint64_t start = e.payload_offset - head;
     // Only the item that starts where the run ends: nothing lies between them, so the run never
     // writes a byte that is not its own (a gap may hold bytes written by someone else). Items
     // come roughly in file order; one found later than its successor in the queue simply
     // starts a run of its own.
-    if (start != end) continue;
+    if (item_start(e) != end) continue;
     taken[i] = true;
     ++n_taken;
     run.push_back(t.entry);
-    end = e.payload_offset + e.bytes + (e.trailer ? e.trailer->size() : 0);
+    end = item_end(e);
     total += e.bytes;
   }
   if (n_taken > 0) {  // the taken tasks leave the queue (one pass over the window)
@@ -1123,9 +1119,8 @@ void Engine::do_flush_run(Job& job, std::uint32_t lead) {
     for (std::uint32_t ei : run) {
       Entry& e = job.entries[ei];
       const Chunk& c = e.chunks[0];
-      const std::uint64_t head = e.header ? e.header->size() : 0;
-      pieces.push_back(Piece{ei, chunk_data(e, c), c.bytes, e.payload_offset - head, e.header,
-                             e.trailer, c.crc, c.crc_valid});
+      pieces.push_back(Piece{ei, chunk_data(e, c), c.bytes, item_start(e), e.header, e.trailer,
+                             c.crc, c.crc_valid});
     }
     file = job.files[job.entries[lead].file].get();
     name = job.entries[lead].name;
@@ -1195,6 +1190,7 @@ void Engine::flush_loop(int /*index*/) {
   for (;;) {
     FlushTask task{};
     Job* job = nullptr;
+    bool run = false;  // a kChunk task that leads a combined write (do_flush_run)
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [&] { return stop_ || !flush_queue_.empty(); });
@@ -1204,21 +1200,17 @@ void Engine::flush_loop(int /*index*/) {
       auto it = jobs_.find(task.job);
       if (it == jobs_.end()) continue;
       job = it->second.get();
+      run = task.kind == FlushKind::kChunk && task.chunk == 0 &&
+            combinable(job->entries[task.entry]);
     }
     switch (task.kind) {
-      case FlushKind::kChunk: {
-        bool run = false;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          run = task.chunk == 0 && combinable(job->entries[task.entry]);
-        }
+      case FlushKind::kChunk:
         if (run) {
           do_flush_run(*job, task.entry);
         } else {
           do_flush_chunk(*job, task.entry, task.chunk);
         }
         break;
-      }
       case FlushKind::kFinalize:
         do_finalize(*job);
         break;

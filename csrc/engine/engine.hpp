@@ -359,6 +359,13 @@ class Engine {
     return e.chunks.size() == 1 && e.bytes < PosixFile::kDirectMinBytes &&
            e.placement == Placement::kFile && e.file >= 0;
   }
+  // File extent of a placed entry: its header, payload and trailer.
+  static std::uint64_t item_start(const Entry& e) {
+    return e.payload_offset - (e.header ? e.header->size() : 0);
+  }
+  static std::uint64_t item_end(const Entry& e) {
+    return e.payload_offset + e.bytes + (e.trailer ? e.trailer->size() : 0);
+  }
   // Under mu_: the entries of the run `lead` starts (lead first); their tasks leave the queue.
   std::vector<std::uint32_t> take_run_locked(Job& job, std::uint32_t lead);
   void do_flush_run(Job& job, std::uint32_t lead);
