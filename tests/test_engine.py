@@ -253,7 +253,9 @@ def test_small_items_are_written_together_exactly(tmp_path: Any, o_direct: bool)
 
 def test_a_failed_combined_write_fails_the_job_and_frees_the_cache(tmp_path: Any) -> None:
     eng = _core.Engine(cache_bytes=16 << 20, copy_threads=1, flush_threads=1, prefault=False)
-    eng.set_delays(0, 3000, 11)
+    # The first flush sleeps 18.7 ms (the first draw of seed 6) before it takes its run: every
+    # held copy has landed by then, so the first write, which fails, is a combined one.
+    eng.set_delays(0, 20_000, 6)
     _core.set_write_fault("combfail", errno.EIO)
     try:
         job, _paths, _expected, _keep = _small_items_job(
