@@ -301,6 +301,23 @@ def _upload_future(out: Any) -> concurrent.futures.Future[Any]:
     return upload if upload is not None else out  # type: ignore[no-any-return]
 
 
+def reusable_stager(prev: Any, options: dict[str, bool]) -> Any:
+    """torch's ``DefaultStager`` with ``options``, reused across saves where torch allows it.
+
+    torch 2.11's stager closes its ``StateDictStager`` after every stage (its storage cache and
+    its copier table are cleared: a second stage fails with ``KeyError: <class 'type'>``). There
+    a spent stager is closed and replaced by a fresh one, which costs what that version's stager
+    costs anyway (new staging buffers for every save). Later versions keep ``prev``."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    if prev is not None:
+        inner = getattr(prev, "_state_dict_stager", None)
+        if inner is None or getattr(inner, "_deepcopy_dispatch", True):
+            return prev
+        prev.close()
+    return DefaultStager(StagingOptions(**options))
+
+
 # ---------------------------------------------------------------------------------------
 # dcp.async_save + torch DefaultStager (torchtitan's pattern)
 # ---------------------------------------------------------------------------------------
@@ -323,8 +340,6 @@ class DcpAsyncStager(Contender):
     def setup(
         self, ctx: SaveContext, run_dir: str, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         super().setup(ctx, run_dir, optimizer)
         on_accel = ctx.device.type != "cpu"
         # pinned memory and non-blocking copies need an accelerator; shared + async always apply
@@ -334,7 +349,7 @@ class DcpAsyncStager(Contender):
             "use_async_staging": True,
             "use_non_blocking_copy": on_accel,
         }
-        self._stager = DefaultStager(StagingOptions(**self.options))
+        self._stager = reusable_stager(None, self.options)
         self.label = f"async_save+DefaultStager t={ctx.fs_threads}"
 
     def _start(self, state: STATE, ckpt_dir: str) -> concurrent.futures.Future[Any]:
@@ -342,6 +357,7 @@ class DcpAsyncStager(Contender):
 
         assert self.ctx is not None
         writer = dcp.FileSystemWriter(ckpt_dir, thread_count=self.ctx.fs_threads)
+        self._stager = reusable_stager(self._stager, self.options)
         out = dcp.async_save(
             state,
             storage_writer=writer,

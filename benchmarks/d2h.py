@@ -37,6 +37,8 @@ if __package__ in (None, ""):  # run as a script: the repository goes last (see 
     if os.path.dirname(_HERE) not in sys.path:
         sys.path.append(os.path.dirname(_HERE))
 
+from benchmarks.contenders import reusable_stager  # noqa: E402
+
 MiB = 1024 * 1024
 
 
@@ -84,15 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                                 pinned[k].copy_(v, non_blocking=cuda)
                             sync()
                         elif name == "default_stager":
-                            from torch.distributed.checkpoint.staging import (
-                                DefaultStager,
-                                StagingOptions,
-                            )
-
-                            if stager is None:
-                                stager = DefaultStager(StagingOptions(
-                                    use_pinned_memory=cuda, use_shared_memory=False,
-                                    use_async_staging=True, use_non_blocking_copy=cuda))
+                            stager = reusable_stager(stager, {
+                                "use_pinned_memory": cuda, "use_shared_memory": False,
+                                "use_async_staging": True, "use_non_blocking_copy": cuda})
                             out = stager.stage(state)
                             if hasattr(out, "result"):
                                 out.result()

@@ -257,3 +257,42 @@ def test_large_pinned_cache_and_throughput(tmp_path: Any, writer_factory: Any) -
     out = {"x": torch.empty(x.numel())}
     dcp.load(out, checkpoint_id=str(tmp_path / "c"))
     assert torch.equal(out["x"], x.cpu())
+
+
+def _mixed_dtype_training(device: str, root: Any, cache: str) -> None:
+    """Several plain-call saves in flight, each racing the next optimizer step on the device:
+    a parameter 4x the host cache (chunked through it), a bf16 parameter, an fp8 buffer. Every
+    checkpoint is loaded by the stock reader into tensors on the device, bit-exact."""
+    from dcp_datastates import DataStatesWriter
+
+    g = torch.Generator(device=device).manual_seed(11)
+    big = torch.nn.Parameter(torch.randn(4 << 20, device=device, generator=g))  # 16 MiB
+    half = torch.nn.Parameter(torch.randn(3, 1 << 18, device=device, generator=g)
+                              .to(torch.bfloat16))
+    fp8 = torch.randn(1 << 20, device=device, generator=g).to(torch.float8_e4m3fn)
+    opt = torch.optim.SGD([big, half], lr=0.1, momentum=0.9)
+    w = DataStatesWriter(str(root / "w"), host_cache_size=cache)
+    try:
+        refs, futs = {}, []
+        for step in range(4):
+            for p in (big, half):
+                p.grad = torch.randn(p.shape, device=device, generator=g).to(p.dtype)
+            opt.step()
+            state = {"model": {"big": big, "half": half, "fp8": fp8},
+                     "optim": opt.state_dict(), "step": step}
+            refs[step] = _device_clone(state)
+            futs.append(dcp.async_save(state, storage_writer=w,
+                                       checkpoint_id=str(root / f"s{step}")))
+        for f in futs:
+            f.result()
+        for step, ref in refs.items():
+            out = zeros_like_state(ref)
+            dcp.load(out, checkpoint_id=str(root / f"s{step}"))
+            assert out["model"]["fp8"].device == fp8.device
+            assert_state_equal(ref, out, f"s{step}")
+    finally:
+        w.close()
+
+
+def test_mixed_dtypes_larger_than_cache_several_in_flight(tmp_path: Any) -> None:
+    _mixed_dtype_training("cuda", tmp_path, "4MiB")
