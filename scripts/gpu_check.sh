@@ -104,10 +104,10 @@ for st in $d2h_states; do
     --out "$WORK/results/d2h-${st//:/-}.json"
 done
 # a checkpoint every iteration (the "slowdown under 5%" goal), a smaller model
-step train-k1 90 "$PY" -m benchmarks.run --device "$DEV" "${gpt_k1[@]}" --scenarios gpt \
+step train-k1 120 "$PY" -m benchmarks.run --device "$DEV" "${gpt_k1[@]}" --scenarios gpt \
   --contenders "${GPU_CHECK_TRAIN:-ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async}" --dir "$WORK/ckpt" \
   --out "$WORK/results/train-k1"
-step train 150 "$PY" -m benchmarks.run --device "$DEV" "${gpt[@]}" --scenarios gpt \
+step train 180 "$PY" -m benchmarks.run --device "$DEV" "${gpt[@]}" --scenarios gpt \
   --contenders "${GPU_CHECK_TRAIN:-ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async}" --dir "$WORK/ckpt" \
   --out "$WORK/results/train"
 step restore 60 "$PY" -m benchmarks.restore --device "$DEV" "${restore[@]}" \
