@@ -9,7 +9,7 @@ engines care about, from many small tensors (per-item overhead dominates) to a f
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -140,9 +140,16 @@ def perturb_(sd: dict[str, torch.Tensor], step: int) -> None:
 
 
 def gpt_config(preset: str) -> GPTConfig:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown GPT preset {preset!r}; choose from {sorted(PRESETS)}")
-    return PRESETS[preset]
+    """The GPT shape named ``preset``; ``NAME@bN`` is preset NAME with a batch of N sequences
+    (a longer step for the same checkpoint: e.g. ``large@b128`` on a GPU, to checkpoint every
+    iteration with a step longer than the checkpoint's flush)."""
+    name, _, batch = preset.partition("@")
+    if name not in PRESETS or (batch and not (batch[:1] == "b" and batch[1:].isdigit()
+                                              and int(batch[1:]) > 0)):
+        raise ValueError(f"unknown GPT preset {preset!r}; choose from {sorted(PRESETS)}, "
+                         "optionally with @bN (a batch of N sequences)")
+    cfg = PRESETS[name]
+    return replace(cfg, batch_size=int(batch[1:])) if batch else cfg
 
 
 def make_gpt(
