@@ -9,7 +9,12 @@ For one state dict on ``--device`` (``cuda``, or ``cpu`` for a dry run), interle
   buffers reused from the first round on): ``stage()`` until its future is done;
 * ``datastates``: ``dcp.async_save`` with ``DataStatesWriter`` (a cache that fits) until
   ``wait_captured()``: what the step barrier waits for (the flush to disk is waited for
-  afterwards, outside the timing).
+  afterwards, outside the timing). No optimizer owns these tensors, so the plain call snapshots
+  each one at the call (on a GPU: a device-side clone per tensor, then the DMA from the clone);
+* ``datastates_owned``: the same with a copy of the state owned by an optimizer that has
+  stepped, as a model's parameters and optimizer state are in training: copied lazily, straight
+  from the tensors, no clones. ``call_s`` in the output is the ``async_save`` call alone (what
+  training is blocked by when the copies finish under forward/backward).
 
 The state is the harness's synthetic one (``benchmarks.workloads``, e.g. ``2GB:mixed``: 5,732
 tensors, per-tensor costs show; ``512MB:large``: 4 tensors, bandwidth shows). Prints (or writes
@@ -47,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--state", default="2GB:mixed", help="synthetic state SIZE:MIX")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--contenders", default="pinned_copy,default_stager,datastates")
+    ap.add_argument("--contenders",
+                    default="pinned_copy,default_stager,datastates,datastates_owned")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -70,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {c: [] for c in names}
     errors: dict[str, str] = {}
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in flat.items()}
+    owned_state: dict[str, Any] = {}
+    owner: Any = None
+    if "datastates_owned" in names:  # its own tensors: ownership is per tensor, process-wide
+        owned = {k: v.clone() for k, v in flat.items()}
+        owned_state = {"model": owned}
+        floats = [v for v in owned.values() if v.is_floating_point()]
+        owner = torch.optim.SGD(floats, lr=0.0)
+        owner.step()  # the step hook now knows the optimizer: its tensors may be lazy
+    call_s: dict[str, list[float]] = {c: [] for c in names if c.startswith("datastates")}
     stager: Any = None
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         writer = DataStatesWriter(os.path.join(d, "w"), host_cache_size=f"{nbytes // MiB + 256}MiB")
@@ -93,14 +108,17 @@ def main(argv: list[str] | None = None) -> int:
                             if hasattr(out, "result"):
                                 out.result()
                             sync()
-                        elif name == "datastates":
-                            fut = dcp.async_save(state, storage_writer=writer,
-                                                 checkpoint_id=os.path.join(d, f"c{r}"))
+                        elif name in ("datastates", "datastates_owned"):
+                            fut = dcp.async_save(
+                                owned_state if name == "datastates_owned" else state,
+                                storage_writer=writer,
+                                checkpoint_id=os.path.join(d, f"{name}-{r}"))
+                            call_s[name].append(time.perf_counter() - t0)
                             writer.wait_captured()
                         else:
                             raise ValueError(f"unknown contender {name!r}")
                         times[name].append(time.perf_counter() - t0)
-                        if name == "datastates":
+                        if name.startswith("datastates"):
                             fut.result()
                     except Exception as e:  # noqa: BLE001 - a contender's failure is a result
                         errors[name] = f"{type(e).__name__}: {e}"[:500]
@@ -121,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": med,
         "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
         "x_pinned_copy": {k: peak / v for k, v in med.items()} if peak else {},
+        "call_s": {k: statistics.median(v) for k, v in call_s.items() if v},
         "errors": errors,
     }
     emit_json(doc, a.out)

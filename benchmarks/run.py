@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-cache", help="DataStates host-cache-smaller-than-checkpoint specs")
     p.add_argument("--cache-fraction", type=float, default=0.125, help="host cache / checkpoint")
     p.add_argument("--two-ranks", help="2-rank gloo scenario specs (size is the total)")
-    p.add_argument("--gpt", help="GPT preset: tiny|small|medium|large (large: for GPUs); NAME@bN: batch N")
+    p.add_argument("--gpt", help="GPT preset tiny|small|medium|large, NAME@bN: batch of N")
     p.add_argument("--ckpt-every", help="comma list of k (checkpoint every k iterations)")
     p.add_argument("--iters", type=int, help="training iterations per run (multiple of each k)")
     p.add_argument("--warmup", type=int, help="untimed training iterations per run")

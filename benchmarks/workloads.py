@@ -143,13 +143,13 @@ def gpt_config(preset: str) -> GPTConfig:
     """The GPT shape named ``preset``; ``NAME@bN`` is preset NAME with a batch of N sequences
     (a longer step for the same checkpoint: e.g. ``large@b128`` on a GPU, to checkpoint every
     iteration with a step longer than the checkpoint's flush)."""
-    name, _, batch = preset.partition("@")
-    if name not in PRESETS or (batch and not (batch[:1] == "b" and batch[1:].isdigit()
-                                              and int(batch[1:]) > 0)):
+    name, at, batch = preset.partition("@")
+    if name not in PRESETS or (at and not (batch[:1] == "b" and batch[1:].isdigit()
+                                           and int(batch[1:]) > 0)):
         raise ValueError(f"unknown GPT preset {preset!r}; choose from {sorted(PRESETS)}, "
                          "optionally with @bN (a batch of N sequences)")
     cfg = PRESETS[name]
-    return replace(cfg, batch_size=int(batch[1:])) if batch else cfg
+    return replace(cfg, batch_size=int(batch[1:])) if at else cfg
 
 
 def make_gpt(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -269,7 +270,49 @@ def test_d2h_runs_every_contender_on_cpu(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = _strict_json(out)
     assert res["errors"] == {}
-    assert set(res["times_s"]) == {"pinned_copy", "default_stager", "datastates"}
+    assert set(res["times_s"]) == {"pinned_copy", "default_stager", "datastates",
+                                   "datastates_owned"}
     assert all(len(v) == 2 and min(v) > 0 for v in res["times_s"].values())
+    assert set(res["call_s"]) == {"datastates", "datastates_owned"}
     assert res["x_pinned_copy"]["pinned_copy"] == 1.0
     assert res["bytes"] >= 8 * 10**6 * 0.99
+
+
+def _bench_module(name: str) -> Any:
+    """A module of the repository's benchmarks package (not installed: imported from ROOT)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def test_reusable_stager_replaces_a_spent_one() -> None:
+    """torch 2.11's DefaultStager clears its copier table after each stage (a second stage then
+    fails): the harness replaces such a stager and keeps one that is still usable."""
+    reusable_stager = _bench_module("benchmarks.contenders").reusable_stager
+    opts = {"use_pinned_memory": False, "use_shared_memory": False,
+            "use_async_staging": False, "use_non_blocking_copy": False}
+    first = reusable_stager(None, opts)
+    try:
+        first.stage({"a": torch.ones(3)})
+        assert reusable_stager(first, opts) is first
+        first._state_dict_stager._deepcopy_dispatch.clear()  # what torch 2.11 does
+        second = reusable_stager(first, opts)
+        assert second is not first
+        staged = second.stage({"a": torch.ones(3), "n": 1})
+        assert torch.equal(staged["a"], torch.ones(3)) and staged["n"] == 1
+        second.close()
+    finally:
+        first.close()
+
+
+def test_gpt_preset_with_a_batch() -> None:
+    gpt_config = _bench_module("benchmarks.workloads").gpt_config
+    assert gpt_config("large@b128").batch_size == 128
+    assert gpt_config("large@b128").n_embd == gpt_config("large").n_embd
+    for bad in ("large@128", "large@b0", "huge", "small@"):
+        with pytest.raises(ValueError, match="GPT preset"):
+            gpt_config(bad)
