@@ -114,12 +114,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> dict[int, int]:
     """Maps the storage address of every parameter and state tensor to ``id(optimizer)``."""
     owners: dict[int, int] = {}
+    plain = (torch.Tensor, torch.nn.Parameter)
 
     def add(t: Any, owner: int) -> None:
-        if isinstance(t, torch.Tensor):
-            local = _local(t)
-            if local.device.type != "meta" and local.numel() > 0:
-                owners.setdefault(local.untyped_storage().data_ptr(), owner)
+        if type(t) not in plain:  # the common cases go on without the subclass checks
+            if not isinstance(t, torch.Tensor):
+                return
+            t = _local(t)
+        if t.numel() > 0 and not t.is_meta:
+            owners.setdefault(t.untyped_storage().data_ptr(), owner)
 
     for opt in optimizers:
         for o in (opt, getattr(opt, "optim", None)):  # ZeroRedundancyOptimizer wraps `optim`

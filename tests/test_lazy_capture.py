@@ -6,6 +6,8 @@ import copy
 import os
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -266,3 +268,71 @@ def test_consecutive_saves_on_one_writer_are_queued(tmp_path: Any, writer_factor
         out = {"a": torch.zeros(10_000)}
         dcp.load(out, checkpoint_id=str(tmp_path / name))
         assert bool((out["a"] == 1).all())
+
+
+class _Slow(Mapping):  # type: ignore[type-arg]
+    """A mapping that is not a dict: the walk takes its general path for every leaf."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._d = data
+
+    def __getitem__(self, k: str) -> Any:
+        return self._d[k]
+
+    def __iter__(self) -> Any:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def _decisions(w: DataStatesWriter, state: dict[str, Any]) -> tuple[Any, ...]:
+    """How stage() captured each leaf of ``state`` (then the staged save is dropped)."""
+    staged = w.stage(state)
+    job = staged._job
+    rows = sorted(
+        (c.name, c.lazy, c.owner is not None, c.at_call, c.nbytes, str(c.dtype), c.shape,
+         c.storage_ptr, c.storage_nbytes, c.version, c.direct)
+        for c in job.tensors
+    )
+    out = (tuple(rows), job.lazy_bytes, frozenset(o is not None for o in job.lazy_owners))
+    del staged, job  # never saved: its job is released
+    return out
+
+
+@pytest.mark.parametrize("capture", ["auto", "owned", "eager"])
+def test_inline_leaves_are_staged_as_the_general_walk_stages_them(
+    tmp_path: Any, writer_factory: Any, capture: str
+) -> None:
+    """The walk stages the common leaves of plain dicts (and a module's OrderedDict) inline;
+    each decision (lazy or taken at the call, owner, version, storage) must be the one the
+    general per-leaf path makes for the same tensors."""
+    model, opt, gen = make_training()
+    train_step(model, opt, gen)  # the optimizer has stepped: its tensors are owned
+    p = next(model.parameters())
+    leaves = {
+        "owned": opt.state[p]["exp_avg"],
+        "owned_view": opt.state[p]["exp_avg"].t() if p.dim() == 2 else p.detach()[:1],
+        "owned_empty": torch.empty(0),
+        "param": p,  # an nn.Parameter: a subclass, not inlined
+        "free": torch.arange(10.0),
+        "free_view": torch.arange(12.0).view(3, 4).t(),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "int": 5,
+    }
+    w: DataStatesWriter = writer_factory(capture=capture)
+    for wrap in (dict, OrderedDict):
+        fast = _decisions(w, {"m": wrap(model.state_dict()), "o": wrap(opt.state_dict()["state"]),
+                              "x": wrap(leaves)})
+        slow = _decisions(w, {"m": _Slow(dict(model.state_dict())),
+                              "o": _Slow(dict(opt.state_dict()["state"])), "x": _Slow(leaves)})
+        assert fast == slow, wrap
+    rows, lazy_bytes, _ = fast
+    lazy = {r[0] for r in rows if r[1]}
+    if capture == "eager":
+        assert not lazy and lazy_bytes == 0
+    else:  # optimizer-owned leaves only, and all of them
+        assert "x.owned" in lazy and "x.free" not in lazy and "m.fc1.weight" in lazy
+        assert lazy_bytes > 0
+    assert w.wait(timeout=30)
+    assert w.engine_counters()["cache_used_bytes"] == 0
