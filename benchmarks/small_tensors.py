@@ -6,8 +6,11 @@ interleaved, one JSON object printed (or written with --out):
 * ``save``: ``dcp.save`` of N tensors of 4 floats, wall time and VmHWM;
 * ``async``: time ``dcp.async_save`` blocked the caller (median of --saves saves), split into
   torch's own per-element work (``_stateful_to_state_dict``, timed alone on the same state) and
-  the rest (our ``stage()``, or the stock stager's copy); ``--nested`` puts the tensors under one
-  top-level key, which removes torch's per-element part.
+  the rest (our ``stage()``, or the stock stager's copy), for three shapes of state: ``flat``
+  (N top-level keys), ``nested`` (under one top-level key, which removes torch's per-element
+  part) and ``owned`` (nested, and owned by an optimizer that has stepped, as a model's
+  parameters are in training: the plain call copies them lazily; each save is followed by that
+  optimizer's ``step()``, whose wait for the copies is reported as ``barrier_s``).
 
     python -m benchmarks.small_tensors --n 100000 --out small.json
 """
@@ -24,6 +27,13 @@ import tempfile
 import time
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: the repository goes last (see benchmarks/run.py)
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    if os.path.dirname(_HERE) not in sys.path:
+        sys.path.append(os.path.dirname(_HERE))
+
 
 def _vmhwm_kib() -> int:
     with open("/proc/self/status") as f:
@@ -34,7 +44,7 @@ def _vmhwm_kib() -> int:
 
 
 def _child(
-    kind: str, contender: str, n: int, saves: int, nested: bool, root: str
+    kind: str, contender: str, n: int, saves: int, shape: str, root: str
 ) -> dict[str, Any]:
     import warnings
 
@@ -47,9 +57,16 @@ def _child(
     from dcp_datastates import DataStatesWriter
 
     tensors = {f"t{i}": torch.randn(4) for i in range(n)}
-    sd: dict[str, Any] = {"model": tensors} if nested else tensors
+    sd: dict[str, Any] = tensors if shape == "flat" else {"model": tensors}
+    opt = None
+    if shape == "owned":
+        params = [torch.nn.Parameter(t) for t in tensors.values()]
+        tensors.update({k: p.detach() for k, p in zip(tensors, params, strict=True)})
+        opt = torch.optim.SGD(params, lr=0.0)
+        opt.step()  # known to the step hook from now on: its tensors may be copied lazily
     base_hwm = _vmhwm_kib()
-    out: dict[str, Any] = {"kind": kind, "contender": contender, "n": n, "nested": nested}
+    out: dict[str, Any] = {"kind": kind, "contender": contender, "n": n, "shape": shape,
+                           "nested": shape != "flat"}
     w = DataStatesWriter(root, host_cache_size="1GiB") if contender == "datastates" else None
     try:
         if kind == "save":
@@ -58,7 +75,7 @@ def _child(
             dcp.save(sd, storage_writer=writer, checkpoint_id=root)
             out["save_s"] = time.perf_counter() - t0
         else:
-            blocked, torch_part = [], []
+            blocked, torch_part, barrier = [], [], []
             for k in range(saves):
                 t0 = time.perf_counter()
                 _stateful_to_state_dict(sd)
@@ -68,11 +85,19 @@ def _child(
                 t0 = time.perf_counter()
                 fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=cid)
                 blocked.append(time.perf_counter() - t0)
+                if opt is not None:
+                    time.sleep(0.05)  # forward and backward would run here
+                    opt.step()
                 fut.result()
+                if opt is not None and w is not None:
+                    st = w.save_stats()[-1]
+                    barrier.append(st["blocked_s"] - st["stage_s"])
             out["blocked_s"] = statistics.median(blocked)
             out["torch_part_s"] = statistics.median(torch_part)
             out["ours_or_stager_s"] = out["blocked_s"] - out["torch_part_s"]
             out["blocked_all_s"] = blocked
+            if barrier:
+                out["barrier_s"] = statistics.median(barrier)
     finally:
         if w is not None:
             w.close()
@@ -90,17 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        kind, contender, n, nested, root = a.child
-        print(json.dumps(_child(kind, contender, int(n), a.saves, nested == "1", root)))
+        kind, contender, n, shape, root = a.child
+        print(json.dumps(_child(kind, contender, int(n), a.saves, shape, root)))
         return 0
     results: list[dict[str, Any]] = []
-    runs = [("save", c, a.n, False) for c in ("stock", "datastates")]
-    runs += [("async", c, a.n_async, nested) for nested in (False, True)
+    runs = [("save", c, a.n, "flat") for c in ("stock", "datastates")]
+    runs += [("async", c, a.n_async, shape) for shape in ("flat", "nested", "owned")
              for c in ("stock", "datastates")]
-    for kind, contender, n, nested in runs:
+    for kind, contender, n, shape in runs:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
-            cmd = [sys.executable, "-m", "benchmarks.small_tensors", "--saves", str(a.saves),
-                   "--child", kind, contender, str(n), "1" if nested else "0", d]
+            cmd = [sys.executable, os.path.abspath(__file__), "--saves", str(a.saves),
+                   "--child", kind, contender, str(n), shape, d]
             r = subprocess.run(cmd, capture_output=True, text=True, check=True)
             results.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), file=sys.stderr)

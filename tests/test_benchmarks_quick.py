@@ -316,3 +316,25 @@ def test_gpt_preset_with_a_batch() -> None:
     for bad in ("large@128", "large@b0", "huge", "small@"):
         with pytest.raises(ValueError, match="GPT preset"):
             gpt_config(bad)
+
+
+def test_small_tensors_runs_every_shape(tmp_path: Path) -> None:
+    """benchmarks.small_tensors, tiny: dcp.save and async_save of flat, nested and
+    optimizer-owned states, each contender in its own process; the owned shape reports the
+    step's wait for the lazy copies."""
+    out = tmp_path / "small.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "small_tensors.py"), "--n", "300",
+         "--n-async", "200", "--saves", "2", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,  # the installed package
+        env={**os.environ, "BENCH_DIR": str(tmp_path)},
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = _strict_json(out)
+    shapes = {(x["kind"], x["contender"], x["shape"]) for x in res["results"]}
+    assert shapes == {(k, c, s) for c in ("stock", "datastates")
+                      for k, s in [("save", "flat"), ("async", "flat"), ("async", "nested"),
+                                   ("async", "owned")]}
+    owned = next(x for x in res["results"]
+                 if x["contender"] == "datastates" and x["shape"] == "owned")
+    assert owned["barrier_s"] >= 0 and owned["blocked_s"] > 0
