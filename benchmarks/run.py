@@ -23,14 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script (`python benchmarks/run.py`)
-    # the repository goes last, so an installed dcp_datastates (with its compiled engine) wins
-    # over the source tree; the script's own directory must not shadow other modules
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
-        del sys.path[0]
-    if os.path.dirname(_HERE) not in sys.path:
-        sys.path.append(os.path.dirname(_HERE))
+if __package__ in (None, ""):  # run as a script: see benchmarks/_as_script.py
+    import _as_script  # noqa: F401
 
 from benchmarks.contenders import (  # noqa: E402
     ALL_NAMES,

@@ -27,12 +27,8 @@ import tempfile
 import time
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repository goes last (see benchmarks/run.py)
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
-        del sys.path[0]
-    if os.path.dirname(_HERE) not in sys.path:
-        sys.path.append(os.path.dirname(_HERE))
+if __package__ in (None, ""):  # run as a script: see benchmarks/_as_script.py
+    import _as_script  # noqa: F401
 
 
 def _vmhwm_kib() -> int:
