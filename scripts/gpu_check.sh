@@ -8,7 +8,7 @@
 #   3. the GPT training loop on the GPU, 2.2 GB of state: a checkpoint every iteration with a
 #      batch of 128 (`large@b128`, a 1.6 s step on an H200) and every 5th with a batch of 16
 #      (`large`, 0.21 s): end-to-end cost per checkpoint of the plain call against dcp.save,
-#      async_save + DefaultStager (pinned) and plain async_save,
+#      async_save + DefaultStager (pinned), plain async_save and (every 5th) torch.save,
 #   4. restore into GPU tensors from a cold page cache, our reader against the stock one,
 #   5. a synthetic 1 GB save from GPU tensors: blocked and until-durable times.
 # Everything goes to $OUT (default ./gpu-out): log.txt and results.tgz. The whole run keeps to
@@ -111,7 +111,7 @@ step train-k1 170 "$PY" -m benchmarks.run --device "$DEV" "${gpt_k1[@]}" --scena
   --contenders "${GPU_CHECK_TRAIN_K1:-ds_plain,dcp_fs_tN,dcp_async_stager}" --dir "$WORK/ckpt" \
   --out "$WORK/results/train-k1"
 step train 180 "$PY" -m benchmarks.run --device "$DEV" "${gpt[@]}" --scenarios gpt \
-  --contenders "${GPU_CHECK_TRAIN:-ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async}" --dir "$WORK/ckpt" \
+  --contenders "${GPU_CHECK_TRAIN:-ds_plain,dcp_fs_tN,dcp_async_stager,dcp_async,torch_save}" --dir "$WORK/ckpt" \
   --out "$WORK/results/train"
 step restore 60 "$PY" -m benchmarks.restore --device "$DEV" "${restore[@]}" \
   --out "$WORK/results/restore.json"
