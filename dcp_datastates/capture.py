@@ -287,6 +287,7 @@ class Stager:
         self._mode = capture_mode
         self._spill_dirs = spill_dirs if spill_dirs is not None else [tempfile.gettempdir()]
         self._warned_overflow = False
+        self._warned_device_oom = False
         self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
         self._owners_valid: dict[Owner, bool] = {}  # owner checks of the current stage() call
 
@@ -523,7 +524,7 @@ class Stager:
         elif lazy_ok:
             source = local
         else:
-            source = local.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+            source = self._device_snapshot(local, name)
         # A fresh object per save (the detached alias or the clone): the identity key.
         staged: torch.Tensor = local if (on_cpu or lazy_ok) else source
         if is_dtensor:
@@ -553,6 +554,23 @@ class Stager:
             at_call, cap.lazy, cap.owner = "ref", False, None
         out.add(cap, at_call)
         return staged
+
+    def _device_snapshot(self, local: torch.Tensor, name: str) -> torch.Tensor:
+        """A private copy of a device tensor that may not be copied lazily: a clone on its
+        device, or, when the device has no memory left for it, a synchronous copy into host
+        memory (exact too, slower; warned once per writer): the save goes on either way."""
+        try:
+            return _clone_on_device(local)
+        except torch.OutOfMemoryError:
+            if not self._warned_device_oom:
+                self._warned_device_oom = True
+                logger.warning(
+                    "no device memory left to snapshot '%s' (%s, %d bytes) on its device at the "
+                    "save call: copied to host memory instead (synchronous). Tensors no optimizer "
+                    "owns are snapshotted at the call; see docs/architecture.md, 'Capture "
+                    "policy'.", name, local.device, local.nbytes,
+                )
+            return local.resolve_conj().resolve_neg().to("cpu", copy=True).contiguous()
 
     def _register_batch(self, job: SaveJob, batch: _Batch) -> None:
         """Registers every tensor of the batch with the engine in one native call."""
@@ -706,6 +724,12 @@ class Stager:
         job.tensors.append(cap)
         job.by_staged_id[id(staged)] = cap
         return cap
+
+
+def _clone_on_device(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous clone of ``t`` on its device, without conj/neg bits (a kernel queued on its
+    current stream: ordered after what was queued there before the save call)."""
+    return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
 
 
 def _direct_source(t: torch.Tensor) -> torch.Tensor:

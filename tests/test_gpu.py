@@ -296,3 +296,33 @@ def _mixed_dtype_training(device: str, root: Any, cache: str) -> None:
 
 def test_mixed_dtypes_larger_than_cache_several_in_flight(tmp_path: Any) -> None:
     _mixed_dtype_training("cuda", tmp_path, "4MiB")
+
+
+def test_plain_call_with_a_full_device_snapshots_to_host(tmp_path: Any) -> None:
+    """Tensors no optimizer owns are cloned on the device at the call; when the device has no
+    room for the clone, the save copies them to host memory instead and stays exact."""
+    from dcp_datastates import DataStatesWriter
+
+    x = torch.randn(256 * 1024 * 1024, device="cuda")  # 1 GiB, owned by nobody
+    expected = x.cpu()
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info()
+    filler = []
+    try:
+        while free > x.nbytes // 2:  # leave less than the clone needs
+            filler.append(torch.empty(max(free - x.nbytes // 4, 1 << 20), dtype=torch.uint8,
+                                      device="cuda"))
+            free, _total = torch.cuda.mem_get_info()
+    except torch.OutOfMemoryError:
+        pass
+    w = DataStatesWriter(str(tmp_path / "w"), host_cache_size="2GiB")
+    try:
+        fut = dcp.async_save({"x": x}, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+        x.zero_()  # after the call: must not reach the checkpoint
+        fut.result()
+    finally:
+        w.close()
+        filler.clear()
+    out = {"x": torch.empty(x.numel())}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(out["x"], expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
@@ -336,3 +337,35 @@ def test_inline_leaves_are_staged_as_the_general_walk_stages_them(
         assert lazy_bytes > 0
     assert w.wait(timeout=30)
     assert w.engine_counters()["cache_used_bytes"] == 0
+
+
+def test_device_snapshot_falls_back_to_host_memory_when_the_device_is_full(
+    writer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device tensor no optimizer owns is cloned on its device at the call; with no device
+    memory left for the clone, it is copied to host memory instead (warned once), never an
+    error that stops training. (tests/test_gpu.py runs this against a full GPU.)"""
+    from dcp_datastates import capture
+
+    def no_memory(t: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(capture, "_clone_on_device", no_memory)
+    w: DataStatesWriter = writer_factory()
+    stager = w._stager
+    src = torch.randn(6, 5).t()  # a view: the snapshot must be compact
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("dcp_datastates.capture")
+    log.addHandler(handler)
+    try:
+        a = stager._device_snapshot(src, "model.w")
+        b = stager._device_snapshot(src, "model.v")
+    finally:
+        log.removeHandler(handler)
+    assert a.is_contiguous() and a.device.type == "cpu" and torch.equal(a, src)
+    assert a.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    assert torch.equal(b, src)
+    warned = [r for r in records if "no device memory left" in r.getMessage()]
+    assert len(warned) == 1 and "'model.w'" in warned[0].getMessage()
