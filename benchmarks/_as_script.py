@@ -1,12 +1,15 @@
-"""Imported first by a benchmark run as a script (``python benchmarks/run.py``), never as a module.
+"""Run first by a benchmark started as a script (``python benchmarks/run.py``), never imported.
 
 It puts the repository *last* on ``sys.path`` so that ``benchmarks.*`` imports while an installed
 ``dcp_datastates`` (with its compiled engine) wins over the source tree, and it removes the
-script's own directory, which must not shadow other modules. Usage, before any
-``benchmarks.*`` import::
+script's own directory, which must not shadow other modules. Run by path, not imported: a
+spawned worker re-runs its parent's script with the parent's ``sys.path``, which no longer has
+this directory. Usage, before any ``benchmarks.*`` import::
 
     if __package__ in (None, ""):
-        import _as_script  # noqa: F401
+        import runpy
+
+        runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_as_script.py"))
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: see benchmarks/_as_script.py
-    import _as_script  # noqa: F401
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_as_script.py"))
 
 from benchmarks.contenders import (  # noqa: E402
     ALL_NAMES,

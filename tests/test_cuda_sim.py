@@ -316,9 +316,10 @@ def test_copies_of_a_job_are_waited_for_in_batches(
     sim: Sim, tmp_path: Path, copy_threads: int
 ) -> None:
     """A copy thread issues the chunks of a job queued one behind the other on its stream and
-    waits once per batch (one event), not once per chunk: 100 small tensors and one of 16 chunks
-    through a cache of 4 chunks. Batches end where free cache space ends; every chunk still
-    waits for the event recorded at the save call; every byte lands where placed."""
+    waits once per batch (one event), not once per chunk, and makes its stream wait for the
+    save call's event once per batch: 100 small tensors and one of 16 chunks through a cache of
+    4 chunks. Batches end where free cache space ends; every chunk still waits for the event
+    recorded at the save call; every byte lands where placed."""
     eng = make_engine(sim, cache=256 << 10, chunk=64 << 10, copy_threads=copy_threads)
     compute = sim.stream()
     gate = sim.gate(compute)
@@ -329,6 +330,7 @@ def test_copies_of_a_job_are_waited_for_in_batches(
     ready = sim.event()
     sim.record(ready, compute)
     records0 = sim.count("calls:cudaEventRecord")
+    stream_waits0 = sim.count("calls:cudaStreamWaitEvent")
     job, offs = save(eng, tmp_path / "b.bin", [(f"t{i}", d, 0, ready) for i, d in enumerate(devs)])
     assert not eng.wait_captured(job, 0.2)  # held by the compute stream, batched or not
     sim.open_gate(gate)
@@ -337,6 +339,9 @@ def test_copies_of_a_job_are_waited_for_in_batches(
     chunks = 100 + 16
     waits = sim.count("calls:cudaEventRecord") - records0
     assert -(-chunks // 32) <= waits <= chunks // 4, waits
+    # one wait for the save call's event per batch at most, not one per chunk
+    stream_waits = sim.count("calls:cudaStreamWaitEvent") - stream_waits0
+    assert 1 <= stream_waits <= waits, (stream_waits, waits)
     eng.forget(job)
     close_within(eng)
     assert_released(sim)
@@ -449,7 +454,7 @@ def test_missing_runtime_is_a_clear_error(tmp_path: Path) -> None:
         ("cudaMemcpyAsync", 3),
         ("cudaEventRecord", 3),
         ("cudaEventSynchronize", 3),
-        ("cudaStreamWaitEvent", 3),
+        ("cudaStreamWaitEvent", 1),  # once per run of copies of a job: only one here
         ("cudaStreamCreateWithFlags", 1),
         ("cudaEventCreateWithFlags", 1),
         ("cudaSetDevice", 1),
@@ -463,7 +468,8 @@ def test_failing_call_fails_the_job_and_the_engine_goes_on(
     ready = sim.event()
     # One copy thread: no other copy of the job delays its completion past the failed one's. A
     # cache of 3 chunks: the 8 chunks go in batches of 3, 3 and 2 (one event record and wait per
-    # batch), so the third call of each entry point comes with copies in flight.
+    # batch), so the third call of each entry point comes with copies in flight (the stream
+    # waits for the save call's event once: its first call fails).
     eng = make_engine(sim, cache=192 << 10, chunk=64 << 10, copy_threads=1)
     dev, want = np.zeros(512 << 10, np.uint8), pattern(512 << 10, 5)
     sim.host_write(compute, dev, want, delay_s=0.01)

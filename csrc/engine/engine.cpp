@@ -687,6 +687,10 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
   std::vector<Issued> batch;
   CudaRuntime::Stream stream = nullptr;
   CudaRuntime::Event done = nullptr;
+  // The ready event this stream last waited for. Every copy of this call is of one job on one
+  // device, and a job's events stay alive and are recorded once: a stream that waited for one
+  // needs no second wait (what is queued on it later runs after that point anyway).
+  std::uintptr_t waited = 0;
   double t0 = now_s();
 
   // Waits for every copy of the batch (one event after the last), then lands them all. A failed
@@ -759,8 +763,10 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
           maybe_delay(true);
           // Ordered after the producer's work: the event was recorded on the compute stream at
           // the save call, so the bytes copied are the ones of that moment.
-          if (ready != 0)
+          if (ready != 0 && ready != waited) {
             cuda_->stream_wait_event(stream, reinterpret_cast<CudaRuntime::Event>(ready));
+            waited = ready;
+          }
           cuda_->memcpy_d2h_async(cache_.data() + *off, from, n, stream);
         } catch (const std::exception& ex) {
           cur.error = "copy of '" + name + "' failed: " + ex.what();
