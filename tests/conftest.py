@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -19,6 +20,20 @@ if TYPE_CHECKING:
 
 
 HANG_S = 30.0  # seconds: any blocking call in a test that takes longer than this is a hang
+
+
+@contextlib.contextmanager
+def captured_logs(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records logger ``name`` emits inside the block (pytest's logging plugin is off)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
 
 
 def in_thread(fn: Callable[[], Any], timeout: float = HANG_S, what: str = "the call") -> Any:

@@ -12,7 +12,6 @@ device=0 or 1. What this proves and what only a GPU can is written in docs/archi
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import captured_logs
 
 from dcp_datastates import _core
 
@@ -420,15 +420,8 @@ def test_writer_warns_and_works_when_the_cache_cannot_be_pinned(
 
     monkeypatch.setattr(engine_mod, "loaded_cuda_runtime", lambda: sim.path)
     sim.fail("cudaHostRegister", error=OUT_OF_MEMORY, times=-1)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    log = logging.getLogger("dcp_datastates.engine")
-    log.addHandler(handler)
-    try:
+    with captured_logs("dcp_datastates.engine") as records:
         w = writer_factory(host_cache_size="1MiB", chunk_size="64KiB", pin_memory=True)
-    finally:
-        log.removeHandler(handler)
     assert any("could not be pinned" in r.getMessage() and "out of memory" in r.getMessage()
                for r in records)
     sd = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}

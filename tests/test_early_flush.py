@@ -4,7 +4,6 @@ unnamed files that get their names only under the path claim."""
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HANG_S, assert_state_equal, zeros_like_state
+from conftest import HANG_S, assert_state_equal, captured_logs, zeros_like_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -167,15 +166,8 @@ def test_files_that_cannot_be_linked_are_copied_into_place(
     path = str(tmp_path / "ckpt")
     state = _state(5)
     w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    log = logging.getLogger("dcp_datastates.writer")
-    log.addHandler(handler)
-    try:
+    with captured_logs("dcp_datastates.writer") as records:
         dcp.async_save(state, storage_writer=w, checkpoint_id=path).result(timeout=HANG_S)
-    finally:
-        log.removeHandler(handler)
     assert any("copied into place" in r.getMessage() for r in records)
     assert_state_equal(_load(path, state), state)
     assert w.save_stats()[-1]["early_tensors"] == 3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import threading
 import time
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, zeros_like_state
+from conftest import assert_state_equal, captured_logs, zeros_like_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_datastates import DataStatesWriter
@@ -354,16 +353,9 @@ def test_device_snapshot_falls_back_to_host_memory_when_the_device_is_full(
     w: DataStatesWriter = writer_factory()
     stager = w._stager
     src = torch.randn(6, 5).t()  # a view: the snapshot must be compact
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    log = logging.getLogger("dcp_datastates.capture")
-    log.addHandler(handler)
-    try:
+    with captured_logs("dcp_datastates.capture") as records:
         a = stager._device_snapshot(src, "model.w")
         b = stager._device_snapshot(src, "model.v")
-    finally:
-        log.removeHandler(handler)
     assert a.is_contiguous() and a.device.type == "cpu" and torch.equal(a, src)
     assert a.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
     assert torch.equal(b, src)
