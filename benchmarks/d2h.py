@@ -6,7 +6,8 @@ For one state dict on ``--device`` (``cuda``, or ``cpu`` for a dry run), interle
 * ``pinned_copy``: ``dst.copy_(src, non_blocking=True)`` into preallocated pinned buffers, then one
   ``torch.cuda.synchronize()``: the peak torch reaches on this machine (no checkpoint at all);
 * ``default_stager``: torch's ``DefaultStager`` (pinned memory, non-blocking copies, the staging
-  buffers reused from the first round on): ``stage()`` until its future is done;
+  buffers reused from the first round on where the torch version does; torch 2.11 allocates new
+  ones at every stage, see ``contenders.reusable_stager``): ``stage()`` until its future is done;
 * ``datastates``: ``dcp.async_save`` with ``DataStatesWriter`` (a cache that fits) until
   ``wait_captured()``: what the step barrier waits for (the flush to disk is waited for
   afterwards, outside the timing). No optimizer owns these tensors, so the plain call snapshots
