@@ -439,48 +439,40 @@ class Stager:
             if owners and (on_cpu or v.is_cuda) and v.numel() > 0:
                 storage = v.untyped_storage()
                 owner = owners.get(storage.data_ptr())
-            if owner is not None and may_lazy:
-                # Owned: copied in the background, the owner's step() waits for it. What
-                # _Batch.add and _make_lazy do for such a leaf, inline.
-                local = v.detach()  # a fresh object per save: the identity key
-                nbytes = local.nbytes
-                name = f"{prefix}{k}"
-                entry = len(caps)
+            lazy = owner is not None and may_lazy  # owned: copied later, its step() waits
+            at_call = on_cpu and owner is None  # nobody owns it: taken at the call
+            if not (lazy or at_call):
+                staged[k] = self._walk(v, _join(path, k), job, owners, out)
+                continue
+            # What _Batch.add (and, for a lazy leaf, _make_lazy) does, inline.
+            local = v.detach()  # a fresh object per save: the identity key
+            nbytes = local.nbytes
+            name = f"{prefix}{k}"
+            entry = len(caps)
+            # Positional: CapturedTensor(name, staged, source, entry, nbytes, dtype, shape, lazy,
+            # version).
+            if lazy:
                 cap = CapturedTensor(
                     name, local, local, entry, nbytes, local.dtype, tuple(local.shape),
                     True, local._version, owner=owner,
                     storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes(),
                 )
-                caps.append(cap)
-                names.append(name)
-                srcs.append(local.data_ptr())
-                sizes.append(nbytes)
                 if not on_cpu:
                     cuda.append((entry, local))
-                by_id[id(local)] = cap
                 lazy_owners.add(owner)
                 lazy_bytes += nbytes
-                staged[k] = local
-            elif on_cpu and owner is None:
-                # Nobody owns it: taken at the call.
-                local = v.detach()
-                nbytes = local.nbytes
-                name = f"{prefix}{k}"
-                # Positional: CapturedTensor(name, staged, source, entry, nbytes, dtype, shape,
-                # lazy, version); what _Batch.add does, inline.
+            else:
                 cap = CapturedTensor(
-                    name, local, local, len(caps), nbytes, local.dtype, tuple(local.shape),
+                    name, local, local, entry, nbytes, local.dtype, tuple(local.shape),
                     False, 0,
                 )
-                caps.append(cap)
-                names.append(name)
-                srcs.append(local.data_ptr() if nbytes else 0)
-                sizes.append(nbytes)
-                by_id[id(local)] = cap
                 must.append(cap)
-                staged[k] = local
-            else:
-                staged[k] = self._walk(v, _join(path, k), job, owners, out)
+            caps.append(cap)
+            names.append(name)
+            srcs.append(local.data_ptr() if nbytes else 0)
+            sizes.append(nbytes)
+            by_id[id(local)] = cap
+            staged[k] = local
         job.lazy_bytes += lazy_bytes
         return staged
 
@@ -570,7 +562,8 @@ class Stager:
                     "owns are snapshotted at the call; see docs/architecture.md, 'Capture "
                     "policy'.", name, local.device, local.nbytes,
                 )
-            return local.resolve_conj().resolve_neg().to("cpu", copy=True).contiguous()
+            # one synchronous copy, compacted on the way (copy_ applies conj/neg bits itself)
+            return torch.empty(local.shape, dtype=local.dtype).copy_(local)
 
     def _register_batch(self, job: SaveJob, batch: _Batch) -> None:
         """Registers every tensor of the batch with the engine in one native call."""
