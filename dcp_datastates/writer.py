@@ -112,6 +112,7 @@ from .placement import PendingWrite, Placer
 from .planner import share_equal_values, share_metadata_values
 from .release import DeferredRelease
 from .tiers import Promoter, attach_persist_stats
+from .wire import CompactWriteResults, compact_plan
 
 logger = logging.getLogger(__name__)
 
@@ -676,7 +677,8 @@ class DataStatesWriter(StorageWriter):
                     f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
                     f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
                 )
-        return share_equal_values(plan)  # DCP pickles it (collectives, .metadata): planner.py
+        # DCP pickles it (collectives, .metadata): planner.py, wire.py
+        return compact_plan(share_equal_values(plan))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
@@ -687,7 +689,7 @@ class DataStatesWriter(StorageWriter):
             raise
         # The global step rebuilt every item's index (MetadataIndex makes a new torch.Size of its
         # offset): shared again before DCP scatters the plans and gathers the write results.
-        return [share_equal_values(p) for p in plans]
+        return [compact_plan(share_equal_values(p)) for p in plans]
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
@@ -723,7 +725,7 @@ class DataStatesWriter(StorageWriter):
         else:
             ctx.end_gc_pause()  # this rank's protocol is over (no finish() here)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
+        fut.set_result(CompactWriteResults(results))  # DCP gathers them (wire.py)
         return fut
 
     @staticmethod
