@@ -9,7 +9,13 @@ per round):
 * ``ours``: ``dcp.async_save(state, storage_writer=DataStatesWriter(...))``, the plain call;
 * ``ours_plan_cache``: the same with ``planner=DataStatesSavePlanner(enable_plan_caching=True)``
   (repeated saves of the same structure skip the global planning and its collectives);
-* ``stock``: ``dcp.async_save(state, checkpoint_id=...)`` (FileSystemWriter, DefaultStager).
+* ``stock``: ``dcp.async_save(state, checkpoint_id=...)`` (FileSystemWriter, DefaultStager);
+* ``ours_late`` (only with ``--contenders``): ``ours`` with ``early_flush=False``, every item
+  placed after DCP's planning.
+
+``--state dtensor`` holds the parameters as FSDP2 does, DTensors sharded over all ranks (their
+shards are placed, and flush, before DCP plans: dcp_datastates.early); the default ``plain``
+holds each rank's shard as a plain tensor under a name of its own.
 
 Per save and rank: ``call_s`` (async_save blocked the caller), ``plan_s`` (from the planner's
 set-up to the end of ``finish_plan``: local plan, gather, global plan, scatter), ``durable_s``
@@ -34,7 +40,8 @@ import time
 import warnings
 from typing import Any
 
-CONTENDERS = ("ours", "ours_plan_cache", "stock")
+CONTENDERS = ("ours", "ours_plan_cache", "stock")  # the default set
+ALL_CONTENDERS = ("ours", "ours_late", "ours_plan_cache", "stock")
 
 
 def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: Any) -> None:
@@ -52,9 +59,19 @@ def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: A
         per_rank = cfg["total_bytes"] // world
         numel = max(1, per_rank // 4 // cfg["tensors"])
         g = torch.Generator().manual_seed(rank)
-        state = {"model": {f"p{i}": torch.randn(numel, generator=g) for i in range(cfg["tensors"])}}
-        # FSDP-style shards: every rank holds its own piece of every parameter.
-        state = {"model": {f"{k}.shard{rank}": v for k, v in state["model"].items()}}
+        local = {f"p{i}": torch.randn(numel, generator=g) for i in range(cfg["tensors"])}
+        state: dict[str, Any]
+        if cfg["state"] == "dtensor":
+            # FSDP2's state: every parameter a DTensor, sharded by rows over all ranks.
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            state = {"model": {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+                               for k, v in local.items()}}
+        else:
+            # FSDP-style shards as plain tensors, every rank's piece under its own name.
+            state = {"model": {f"{k}.shard{rank}": v for k, v in local.items()}}
         marks: dict[str, float] = {}
 
         def timed(base: type) -> type:
@@ -72,17 +89,21 @@ def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: A
 
         planners = {
             "ours": timed(DataStatesSavePlanner),
+            "ours_late": timed(DataStatesSavePlanner),
             "ours_plan_cache": timed(DataStatesSavePlanner),
             "stock": timed(DefaultSavePlanner),
         }
         cache_mib = max(8, per_rank * 2 // (1 << 20) + 8)
+        contenders = cfg["contenders"]
         writers = {
-            name: DataStatesWriter(os.path.join(root, name), host_cache_size=f"{cache_mib}MiB")
-            for name in ("ours", "ours_plan_cache")
+            name: DataStatesWriter(os.path.join(root, name), host_cache_size=f"{cache_mib}MiB",
+                                   early_flush=name != "ours_late")
+            for name in contenders if name != "stock"
         }
-        out: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS}
+        out: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
         for i in range(cfg["saves"]):
-            order = CONTENDERS[i % 3:] + CONTENDERS[: i % 3]
+            k = i % len(contenders)
+            order = contenders[k:] + contenders[:k]
             for name in order:
                 ckpt = os.path.join(root, name, f"s{i}")
                 kw: dict[str, Any] = {
@@ -140,7 +161,7 @@ def run_world(world: int, cfg: dict[str, Any], base: str) -> dict[str, Any]:
     if len(results) < world:
         return {"error": f"only {len(results)} of {world} ranks reported"}
     summary: dict[str, Any] = {}
-    for name in CONTENDERS:
+    for name in cfg["contenders"]:
         saves = [
             {k: max(results[r][name][i][k] for r in range(world)) for k in results[0][name][i]}
             for i in range(cfg["saves"])
@@ -165,7 +186,7 @@ def plot(res: dict[str, Any], path: str) -> None:
     for ax, key, title in zip(axes, ("plan_s", "call_s", "durable_s"),
                               ("planning (later saves)", "blocked: async_save call",
                                "until durable"), strict=True):
-        for name in CONTENDERS:
+        for name in res["config"]["contenders"]:
             ax.plot(worlds, [res["by_world"][str(w)][name][key] for w in worlds], marker="o",
                     label=name)
         ax.set_xscale("log", base=2)
@@ -175,8 +196,8 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.set_title(title)
     axes[0].legend()
     fig.suptitle(f"one checkpoint of {res['config']['total_bytes'] / 2**20:.0f} MiB, "
-                 f"{res['config']['tensors']} tensors per rank (medians of saves 2..n, "
-                 "slowest rank)")
+                 f"{res['config']['tensors']} {res['config']['state']} tensors per rank "
+                 "(medians of saves 2..n, slowest rank)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -192,12 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 and 2 ranks, 4 MiB, 2 saves")
     ap.add_argument("--dir", default="", help="checkpoint directory (default: a temp dir)")
     ap.add_argument("--out", default="", help="directory for scale_out.json and scale_out.png")
+    ap.add_argument("--state", choices=("plain", "dtensor"), default="plain",
+                    help="each rank's shards as plain tensors (default) or as DTensors (FSDP2)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"comma-separated, of {','.join(ALL_CONTENDERS)}")
     a = ap.parse_args(argv)
+    contenders = tuple(c for c in a.contenders.split(",") if c)
+    unknown = [c for c in contenders if c not in ALL_CONTENDERS]
+    if unknown or not contenders:
+        ap.error(f"unknown contenders {unknown}; choose from {','.join(ALL_CONTENDERS)}")
     if a.quick:
         a.worlds, a.total_mib, a.tensors, a.saves = "1,2", 4, 20, 2
     worlds = [int(w) for w in a.worlds.split(",") if w]
     cfg = {"total_bytes": a.total_mib << 20, "tensors": a.tensors, "saves": a.saves,
-           "timeout_s": a.timeout}
+           "timeout_s": a.timeout, "state": a.state, "contenders": contenders}
     base = tempfile.mkdtemp(prefix="dcpds-scale-", dir=a.dir or None)
     res: dict[str, Any] = {"config": cfg, "worlds": worlds, "by_world": {},
                            "command": " ".join(["python -m benchmarks.scale_out", *sys.argv[1:]])}
@@ -221,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [
             f"{n} plan {r[n]['plan_s']:.3f} call {r[n]['call_s']:.3f} "
             f"durable {r[n]['durable_s']:.3f}"
-            for n in CONTENDERS
+            for n in contenders
         ]
         print(f"{w} ranks: " + "; ".join(parts))
     bad = [w for w in worlds if "error" in res["by_world"][str(w)]]

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .barrier import DTensor, _local
 from .engine import Engine
@@ -80,6 +81,10 @@ class CapturedTensor:
     storage_ptr: int = 0  # the source's storage address and size at save time (lazy only)
     storage_nbytes: int = 0
     incr: StageInfo | None = None  # incremental saves: identity, and the reference if unchanged
+    # A DTensor shard no other rank holds (sharded on every dimension of a mesh spanning the
+    # world): DCP's deduplication never moves it, so it may be placed before the planning with
+    # several ranks too (dcp_datastates.early).
+    rank_unique: bool = False
 
 
 _PAUSE_SWAP = threading.Lock()  # SaveJob.take_gc_pause
@@ -541,6 +546,7 @@ class Stager:
             version=0,  # taken by _make_lazy for the tensors that stay lazy
             owner=owner if lazy_ok and mode != "lazy" else None,
             incr=info,
+            rank_unique=is_dtensor and _rank_unique(t),
         )
         if referenced:
             at_call, cap.lazy, cap.owner = "ref", False, None
@@ -717,6 +723,20 @@ class Stager:
         job.tensors.append(cap)
         job.by_staged_id[id(staged)] = cap
         return cap
+
+
+def _rank_unique(t: Any) -> bool:
+    """Whether DTensor ``t``'s local shard is held by this rank alone: sharded (``Shard``,
+    strided shards included) on every dimension of a mesh that spans the whole default group.
+    Anything replicated or partial on some mesh dimension, or a mesh over part of the world
+    (another group may hold the same shard), is not."""
+    try:
+        if not all(p.is_shard() for p in t.placements):
+            return False
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return int(t.device_mesh.size()) == world
+    except Exception:  # noqa: BLE001 - an unusual mesh or placement: not known to be unique
+        return False
 
 
 def _clone_on_device(t: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,13 @@ keeps that place (its shape is checked as before); anything else (bytes items, t
 planner resolves differently) is placed after them, in the same files. A tensor placed early
 that the plan does not use is still written, and costs only its bytes in the file.
 
-When: local directories, the ``torch`` format, no incremental saves, one rank (with several
-ranks, DCP's deduplication decides which rank writes a replicated tensor only at planning), and
-not for ``dcp.save`` (nothing is staged). ``early_flush=False`` on the writer turns it off.
+When: local directories, the ``torch`` format, no incremental saves, and not for ``dcp.save``
+(nothing is staged). With several ranks only the shards no other rank holds are placed early
+(``CapturedTensor.rank_unique``: DTensors sharded on every dimension of a mesh spanning the
+world, as FSDP2 keeps parameters and optimizer state), in ``set_up_storage_writer``, once the
+save's rank is known: DCP's deduplication decides which rank writes a replicated tensor only at
+planning, so those (and plain tensors, which any rank may hold too) are placed in
+``write_data``. ``early_flush=False`` on the writer turns it off.
 
 Threads and lifetimes: an :class:`EarlyPlacement` is created and used by the save thread of its
 job; its descriptors are closed when it is linked or copied, and in any case when the job ends
@@ -165,11 +169,15 @@ def place_early(
     job: SaveJob,
     d: CheckpointDir,
     rank: int,
+    rank_unique_only: bool = False,
 ) -> EarlyPlacement | None:
     """Places ``job``'s staged tensors in unnamed data files for ``d`` (rank ``rank``) and lets
     them flush; None where the module docstring's conditions do not hold, or when no unnamed
-    file can be made there (the save then places everything in ``write_data``, as before)."""
-    caps = [t for t in job.tensors if t.spill is None]
+    file can be made there (the save then places everything in ``write_data``, as before).
+    ``rank_unique_only`` (several ranks): only the shards no other rank holds."""
+    caps = [
+        t for t in job.tensors if t.spill is None and (t.rank_unique or not rank_unique_only)
+    ]
     if not caps or not d.local or not os.path.isdir("/proc/self/fd"):
         return None
     where = _anon_dir(d.path)

@@ -116,19 +116,21 @@ class Placer:
             or job.error is not None
             or self.config.format != "torch"
             or self._incremental is not None
-            or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         )
 
     def place_early(self, ctx: SaveContext, job: SaveJob) -> None:
         """Places a staged job's tensors before DCP plans, so they flush during the planning
-        (:mod:`dcp_datastates.early`: one rank, local directories, the torch format, not
-        incremental). Runs in the save thread, before any collective; never raises for a
-        file system that cannot do it (the job is then placed in :meth:`write`)."""
+        (:mod:`dcp_datastates.early`: local directories, the torch format, not incremental; with
+        several ranks only the shards no other rank holds). Runs in the save thread, before any
+        collective; never raises for a file system that cannot do it (the job is then placed in
+        :meth:`write`)."""
         if not self.early_applies(job):
             return
         try:
+            several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             job.early = place_early(
-                self._engine, self._templates, self.config, job, ctx.directory(), ctx.rank
+                self._engine, self._templates, self.config, job, ctx.directory(), ctx.rank,
+                rank_unique_only=several,
             )
         except CheckpointSaveError:
             if isinstance(job.error, CheckpointSaveError):

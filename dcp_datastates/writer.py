@@ -171,9 +171,10 @@ class DataStatesWriter(StorageWriter):
         files_per_rank: data files per rank (default: flush_threads); 1 for non-local URLs.
         o_direct: write payloads with O_DIRECT where the file system allows it (default: on; no
             kernel copy, no page-cache pollution; file systems that refuse it get buffered I/O).
-        early_flush: with ``async_save`` on one rank to a local directory, place the staged
-            tensors in (still unnamed) data files as soon as the save thread begins, so they
-            flush while DCP plans (default: on; :mod:`dcp_datastates.early`).
+        early_flush: with ``async_save`` to a local directory, place the staged
+            tensors (with several ranks: the DTensor shards no other rank holds) in (still
+            unnamed) data files as soon as the save thread begins, so they flush while DCP
+            plans (default: on; :mod:`dcp_datastates.early`).
         capture: "auto" (default), "owned", "lazy" or "eager"; see docs/configuration.md.
         checksums: CRC-32C per chunk, recorded in the manifest (see ``verify_checkpoint``).
         durable: fdatasync data files and fsync directories before the commit.
@@ -575,10 +576,12 @@ class DataStatesWriter(StorageWriter):
         The path is known here (``reset`` ran), and DCP has yet to turn every top-level value of
         the staged dict into its own dict and to set its planner up (``_stateful_to_state_dict``,
         ``set_up_planner``: 0.1 s for 5,700 top-level tensors) before it calls
-        ``set_up_storage_writer``: the flush starts that much sooner. Only where early placement
-        applies at all (one rank: see dcp_datastates.early) and only for the context this save
-        runs in; best effort: anything unexpected leaves the placement to
-        ``set_up_storage_writer``, which checks the save first (its checks raise there).
+        ``set_up_storage_writer``: the flush starts that much sooner. Only with one rank (with
+        several, the save's rank in its process group is known only in
+        ``set_up_storage_writer``, which places their unique shards early), where early placement
+        applies at all (dcp_datastates.early) and only for the context this save runs in; best
+        effort: anything unexpected leaves the placement to ``set_up_storage_writer``, which
+        checks the save first (its checks raise there).
         """
         holder = getattr(self._tls, "holder", None)
         ctx = holder.ctx if holder is not None else None
@@ -588,6 +591,7 @@ class DataStatesWriter(StorageWriter):
             or not ctx.path
             or job.checkpoint_id != ctx.path
             or job.rank != 0
+            or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
             or not self._placer.early_applies(job)
         ):
             return

@@ -50,6 +50,10 @@ def _dtensor_body(rank: int, world: int, root: str, mode: str) -> None:
     )
     if mode == "async":
         dcp.async_save(sd, storage_writer=w, checkpoint_id=root, process_group=pg).result()
+        # The three sharded DTensors (an empty shard included) are this rank's alone: placed,
+        # and flushing, before DCP planned; the replicated and the plain tensor waited for its
+        # deduplication (dcp_datastates.early).
+        assert w.save_stats()[-1]["early_tensors"] == 3, w.save_stats()[-1]
     else:
         dcp.save(sd, storage_writer=w, checkpoint_id=root, process_group=pg)
     w.close()
@@ -137,6 +141,10 @@ def _every_iteration_body(rank: int, world: int, root: str, kind: str) -> None:
         )
     for f in futs:
         f.result()
+    early = [st["early_tensors"] for st in w.save_stats()]
+    # FSDP2 keeps parameters and optimizer state as shards no other rank holds: placed before
+    # DCP planned (dcp_datastates.early). DDP's replicated tensors wait for its deduplication.
+    assert all(e > 0 for e in early) if kind == "fsdp2" else not any(early), early
     w.close()
     dist.barrier()
     for step in range(6):
