@@ -258,7 +258,6 @@ class JobTable:
         self.lock = threading.RLock()
         self.idle = threading.Condition(self.lock)
         self._jobs: list[SaveJob] = []  # staged or running jobs, oldest first
-        self._by_staged: dict[int, SaveJob] = {}
         self._thread_jobs: dict[int, SaveJob] = {}  # save thread -> the staged job it carries
         self._unreported: collections.deque[SaveJob] = collections.deque()
         self._future_errors: dict[int, BaseException] = {}  # id(job in _unreported) -> its error
@@ -268,8 +267,6 @@ class JobTable:
         """Registers a job ``stage()`` created (it is ordered after every earlier one)."""
         with self.lock:
             self._jobs.append(job)
-            for key in job.by_staged_id:
-                self._by_staged[key] = job
 
     def add_adhoc(self, job: SaveJob) -> None:
         """Registers the job ``write_data`` created for a plain ``dcp.save``."""
@@ -426,9 +423,6 @@ class JobTable:
         with self.idle:
             if job in self._jobs:
                 self._jobs.remove(job)
-            for key in list(job.by_staged_id):
-                if self._by_staged.get(key) is job:
-                    del self._by_staged[key]
             self.idle.notify_all()
 
     def barrier_one(

@@ -361,3 +361,36 @@ def test_device_snapshot_falls_back_to_host_memory_when_the_device_is_full(
     assert torch.equal(b, src)
     warned = [r for r in records if "no device memory left" in r.getMessage()]
     assert len(warned) == 1 and "'model.w'" in warned[0].getMessage()
+
+
+def test_owned_tensor_under_two_keys_and_in_two_saves_in_flight(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    """An optimizer-owned tensor keys itself in its save (no alias): under two keys of one save
+    it still gets two records, and two saves in flight staging the same tensor objects each
+    hold their own; after the next step both checkpoints hold the values of their call."""
+    model, opt, gen = make_training()
+    train_step(model, opt, gen)
+    p = next(model.parameters())
+    m = opt.state[p]["exp_avg"]
+    w: DataStatesWriter = writer_factory()
+    state = {"a": m, "b": m, "nested": {"again": m}, "model": model.state_dict()}
+    ref = copy.deepcopy(state)
+    staged = w.stage(state)
+    job = staged._job
+    caps = {c.name: c for c in job.tensors}
+    assert caps["a"].lazy and caps["b"].lazy and caps["nested.again"].lazy
+    assert caps["a"].staged is m  # the tensor itself...
+    assert caps["b"].staged is not m and caps["nested.again"].staged is not m  # ...once
+    assert len({id(c.staged) for c in job.tensors}) == len(job.tensors)
+    del staged, job, caps
+    futs = [dcp.async_save(state, storage_writer=w, checkpoint_id=str(tmp_path / f"c{k}"))
+            for k in range(2)]
+    train_step(model, opt, gen)  # waits for both saves' copies, then changes m in place
+    for f in futs:
+        f.result(timeout=60)
+    assert not torch.equal(m, ref["a"])
+    for k in range(2):
+        out = zeros_like_state(ref)
+        dcp.load(out, checkpoint_id=str(tmp_path / f"c{k}"))
+        assert_state_equal(out, ref)
