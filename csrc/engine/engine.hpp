@@ -303,6 +303,7 @@ class Engine {
                                  bool direct);
   void fail_locked(Job& job, const std::string& message);
   void resolve_copy_locked(Job& job, Chunk& chunk);   // a chunk leaves kPending/kCopying
+  void land_locked(Job& job, std::uint32_t entry, bool ok, const std::string& error);
   void finish_chunk_locked(Job& job, Entry& entry, Chunk& chunk, ChunkState to);  // leaves cache
   std::uint8_t* chunk_data(const Entry& e, const Chunk& c) const;
   void drop_chunks_locked(Job& job, Entry& e);  // pending and landed chunks leave the job
