@@ -724,10 +724,13 @@ class DataStatesWriter(StorageWriter):
             # Several ranks: the coordinator commits once every rank's results arrived, so a
             # rank's results must mean that its data is durable.
             self._complete_write(ctx, job, pending)
-        if ctx.coordinator:
-            ctx.begin_gc_pause()  # DCP gathers every rank's results for finish(): no waits left
-        else:
-            ctx.end_gc_pause()  # this rank's protocol is over (no finish() here)
+        ctx.begin_gc_pause()  # DCP gathers every rank's results for finish(): no waits left
+        if not ctx.coordinator:
+            # No finish() here, but DCP's protocol goes on: it receives the coordinator's
+            # metadata and unpickles it (an object per item of every rank). A collection then
+            # would scan the whole process: 2 ranks x 2,000 tensors, 0.18 s added to every
+            # other save. So the pause ends as the coordinator's does, when the save ends.
+            ctx.end_gc_pause_after_save(len(plan.items))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(CompactWriteResults(results))  # DCP gathers them (wire.py)
         return fut
