@@ -651,7 +651,13 @@ class DataStatesWriter(StorageWriter):
     def _set_up(self, ctx: SaveContext, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """set_up_storage_writer's checks, its turn and its early placement."""
         ctx.coordinator = is_coordinator
-        ctx.rank = int(kwargs.get("rank", args[0] if args else 0) or 0)
+        rank = kwargs.get("rank", args[0] if args else None)
+        if rank is None:
+            # DCP passes rank= only to a set_up_storage_writer whose signature names **kwargs (a
+            # wrapper with **kw hides it): every rank would write rank 0's files. Its rank in
+            # the default group names this rank's files uniquely.
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        ctx.rank = int(rank)
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
         if not ctx.use_collectives and dist.is_available() and dist.is_initialized():
             if dist.get_world_size() > 1:
