@@ -131,7 +131,9 @@ def _every_iteration_body(rank: int, world: int, root: str, kind: str) -> None:
         opt.step()  # waits for the previous save's copies
         opt.zero_grad()
         msd, osd = get_state_dict(wrapped, opt)
-        state = {"model": msd, "optim": osd, "step": step}
+        # One tensor twice: a tensor that keys itself in its save (capture.py) is recorded once
+        # as itself and once behind an alias.
+        state = {"model": msd, "optim": osd, "step": step, "again": next(iter(msd.values()))}
         # The synchronous reference snapshot of this step, on this rank.
         torch.save(copy.deepcopy(state), f"{root}/ref-{step}-rank{rank}.pt")
         futs.append(
@@ -264,3 +266,32 @@ def test_no_collection_while_dcp_ends_the_save_on_any_rank(tmp_path: Any) -> Non
     during = run_ranks(_no_collection_body, str(tmp_path / "ck"), tmp_path=tmp_path,
                        timeout_s=180)
     assert during == [[0, 0, 0], [0, 0, 0]], during
+
+
+def _hidden_rank_body(rank: int, world: int, root: str) -> None:
+    from dcp_datastates import DataStatesWriter
+
+    class Wrapped(DataStatesWriter):
+        # DCP passes rank= only where the signature names **kwargs: here it does not.
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kw: Any) -> None:
+            super().set_up_storage_writer(is_coordinator, *args, **kw)
+
+    sd = {f"r{rank}": torch.full((1000,), float(rank)), "shared": torch.arange(10.0)}
+    pg = dist.new_group(backend="gloo")
+    with Wrapped(root, host_cache_size="1MiB") as w:
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=root, process_group=pg).result(60)
+    dist.barrier()
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, checkpoint_id=root, process_group=pg)
+    assert_state_equal(out, sd)
+
+
+def test_a_writer_whose_set_up_hides_the_rank_still_names_files_per_rank(tmp_path: Any) -> None:
+    """A subclass whose set_up_storage_writer takes ``**kw`` gets no rank from DCP: each rank
+    must still write files of its own (they once all wrote rank 0's, over each other)."""
+    root = str(tmp_path / "ck")
+    run_ranks(_hidden_rank_body, root, tmp_path=tmp_path, timeout_s=120)
+    from dcp_datastates import verify_checkpoint
+
+    rep = verify_checkpoint(root)
+    assert rep.ok and rep.ranks == 2, rep.summary()
