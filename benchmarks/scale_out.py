@@ -13,6 +13,8 @@ per round):
 * ``ours_late`` (only with ``--contenders``): ``ours`` with ``early_flush=False``, every item
   placed after DCP's planning.
 
+``--owned`` makes an optimizer that has stepped own the state, as in training, and steps it
+after each save call (``step_s``: the step, with its wait for the lazy copies).
 ``--state dtensor`` holds the parameters as FSDP2 does, DTensors sharded over all ranks (their
 shards are placed, and flush, before DCP plans: dcp_datastates.early); the default ``plain``
 holds each rank's shard as a plain tensor under a name of its own.
@@ -72,6 +74,16 @@ def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: A
         else:
             # FSDP-style shards as plain tensors, every rank's piece under its own name.
             state = {"model": {f"{k}.shard{rank}": v for k, v in local.items()}}
+        opt = None
+        if cfg["owned"]:
+            # As in training: an optimizer that has stepped owns the state (its step after each
+            # save waits for the lazy copies; that wait is reported as step_s).
+            params = {k: torch.nn.Parameter(v) for k, v in state["model"].items()}
+            opt = torch.optim.SGD(list(params.values()), lr=0.0)
+            for p in params.values():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            state = {"model": {k: p.detach() for k, p in params.items()}}
         marks: dict[str, float] = {}
 
         def timed(base: type) -> type:
@@ -116,10 +128,14 @@ def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: A
                 t0 = time.perf_counter()
                 fut = dcp.async_save(state, **kw)
                 t1 = time.perf_counter()
+                if opt is not None:
+                    opt.step()
+                t_step = time.perf_counter()
                 fut.result()
                 t2 = time.perf_counter()
                 out[name].append({
                     "call_s": t1 - t0,
+                    "step_s": t_step - t1,
                     "plan_s": marks["plan1"] - marks["plan0"],
                     "durable_s": t2 - t0,
                 })
@@ -215,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="directory for scale_out.json and scale_out.png")
     ap.add_argument("--state", choices=("plain", "dtensor"), default="plain",
                     help="each rank's shards as plain tensors (default) or as DTensors (FSDP2)")
+    ap.add_argument("--owned", action="store_true",
+                    help="the state owned by an optimizer that has stepped; step() after each save")
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"comma-separated, of {','.join(ALL_CONTENDERS)}")
     a = ap.parse_args(argv)
@@ -226,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         a.worlds, a.total_mib, a.tensors, a.saves = "1,2", 4, 20, 2
     worlds = [int(w) for w in a.worlds.split(",") if w]
     cfg = {"total_bytes": a.total_mib << 20, "tensors": a.tensors, "saves": a.saves,
-           "timeout_s": a.timeout, "state": a.state, "contenders": contenders}
+           "timeout_s": a.timeout, "state": a.state, "contenders": contenders,
+           "owned": a.owned}
     base = tempfile.mkdtemp(prefix="dcpds-scale-", dir=a.dir or None)
     res: dict[str, Any] = {"config": cfg, "worlds": worlds, "by_world": {},
                            "command": " ".join(["python -m benchmarks.scale_out", *sys.argv[1:]])}
@@ -249,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         parts = [
             f"{n} plan {r[n]['plan_s']:.3f} call {r[n]['call_s']:.3f} "
-            f"durable {r[n]['durable_s']:.3f}"
+            f"step {r[n]['step_s']:.3f} durable {r[n]['durable_s']:.3f}"
             for n in contenders
         ]
         print(f"{w} ranks: " + "; ".join(parts))

@@ -237,30 +237,33 @@ def test_unimportable_contender_is_skipped_with_reason(
     assert reason is not None and module in reason
 
 
-@pytest.mark.parametrize("state,contenders", [
-    ("plain", ("ours", "ours_plan_cache", "stock")),
-    ("dtensor", ("ours", "ours_late", "stock")),
+@pytest.mark.parametrize("state,contenders,owned", [
+    ("plain", ("ours", "ours_plan_cache", "stock"), False),
+    ("dtensor", ("ours", "ours_late", "stock"), True),
 ])
-def test_scale_out_quick(tmp_path: Path, state: str, contenders: tuple[str, ...]) -> None:
+def test_scale_out_quick(
+    tmp_path: Path, state: str, contenders: tuple[str, ...], owned: bool
+) -> None:
     """benchmarks.scale_out --quick: 1 and 2 ranks, each contender, JSON and PNG written."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "so"
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale_out.py"), "--quick", "--out", str(out),
-         "--dir", str(tmp_path), "--state", state, "--contenders", ",".join(contenders)],
+         "--dir", str(tmp_path), "--state", state, "--contenders", ",".join(contenders)]
+        + (["--owned"] if owned else []),
         cwd=tmp_path, capture_output=True, text=True, timeout=300,  # the installed package
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = _strict_json(out / "scale_out.json")
     assert (out / "scale_out.png").stat().st_size > 0
     assert res["worlds"] == [1, 2]
-    assert res["config"]["state"] == state
+    assert res["config"]["state"] == state and res["config"]["owned"] is owned
     for w in ("1", "2"):
         assert set(res["by_world"][w]) == set(contenders)
         for name in contenders:
             c = res["by_world"][w][name]
             assert len(c["saves"]) == res["config"]["saves"]
-            assert 0 <= c["call_s"] <= c["durable_s"] and c["plan_s"] >= 0
+            assert 0 <= c["call_s"] <= c["durable_s"] and c["plan_s"] >= 0 and c["step_s"] >= 0
 
 
 def test_d2h_runs_every_contender_on_cpu(tmp_path: Path) -> None:
