@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,13 @@ def known_optimizers() -> list[torch.optim.Optimizer]:
     """Every optimizer that has stepped (or was protected) and is still alive."""
     with _lock:
         return list(_optimizers)
+
+
+def default_world_size() -> int:
+    """Ranks in torch.distributed's default group (1 when it is not initialized)."""
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

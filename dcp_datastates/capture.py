@@ -52,9 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .barrier import DTensor, _local
+from .barrier import DTensor, _local, default_world_size
 from .engine import Engine
 from .errors import CaptureError
 from .gcpause import ProtocolPause
@@ -752,8 +751,7 @@ def _rank_unique(t: Any) -> bool:
     try:
         if not all(p.is_shard() for p in t.placements):
             return False
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return int(t.device_mesh.size()) == world
+        return int(t.device_mesh.size()) == default_world_size()
     except Exception:  # noqa: BLE001 - an unusual mesh or placement: not known to be unique
         return False
 

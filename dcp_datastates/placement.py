@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _core
+from .barrier import default_world_size
 from .capture import CapturedTensor, SaveJob, Stager, wait_written
 from .commit import manifest_name
 from .config import WriterConfig
@@ -127,10 +127,9 @@ class Placer:
         if not self.early_applies(job):
             return
         try:
-            several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             job.early = place_early(
                 self._engine, self._templates, self.config, job, ctx.directory(), ctx.rank,
-                rank_unique_only=several,
+                rank_unique_only=default_world_size() > 1,
             )
         except CheckpointSaveError:
             if isinstance(job.error, CheckpointSaveError):

@@ -88,6 +88,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import barrier, forksafe
+from .barrier import default_world_size
 from .capture import SaveJob, Stager
 from .checkpoints import RetentionPolicy
 from .commit import METADATA_FILE, CheckpointDir
@@ -590,8 +591,7 @@ class DataStatesWriter(StorageWriter):
             or ctx.finished
             or not ctx.path
             or job.checkpoint_id != ctx.path
-            or job.rank != 0
-            or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+            or default_world_size() > 1
             or not self._placer.early_applies(job)
         ):
             return
@@ -659,12 +659,11 @@ class DataStatesWriter(StorageWriter):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         ctx.rank = int(rank)
         ctx.use_collectives = bool(kwargs.get("use_collectives", True))
-        if not ctx.use_collectives and dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() > 1:
-                raise ValueError(
-                    "DataStatesWriter does not support use_collectives=False with several ranks "
-                    "(one .metadata per rank); save with the default use_collectives=True"
-                )
+        if not ctx.use_collectives and default_world_size() > 1:
+            raise ValueError(
+                "DataStatesWriter does not support use_collectives=False with several ranks "
+                "(one .metadata per rank); save with the default use_collectives=True"
+            )
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
         if self._promoter is not None:
@@ -730,7 +729,7 @@ class DataStatesWriter(StorageWriter):
             # Several ranks: the coordinator commits once every rank's results arrived, so a
             # rank's results must mean that its data is durable.
             self._complete_write(ctx, job, pending)
-        ctx.begin_gc_pause()  # DCP gathers every rank's results for finish(): no waits left
+        ctx.begin_gc_pause()  # DCP gathers every rank's results (for finish() on the coordinator)
         if not ctx.coordinator:
             # No finish() here, but DCP's protocol goes on: it receives the coordinator's
             # metadata and unpickles it (an object per item of every rank). A collection then
@@ -746,7 +745,7 @@ class DataStatesWriter(StorageWriter):
         """Whether this save has one rank (the coordinator): no other rank's data to wait for."""
         if not ctx.coordinator:
             return False
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        return default_world_size() == 1
 
     def _complete_write(self, ctx: SaveContext, job: SaveJob, pending: PendingWrite) -> None:
         """Waits until this rank's data is durable and its manifest written; finishes the job.

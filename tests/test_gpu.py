@@ -79,6 +79,22 @@ def test_copy_is_ordered_after_pending_compute(tmp_path: Any, writer_factory: An
     del model
 
 
+def _load_each_and_compare(
+    futs: list[Any], refs: dict[int, Any], root: Any, make_out: Any, check: Any = None
+) -> None:
+    """Waits for every save, then loads each ``root/s<step>`` with the stock ``dcp.load`` into
+    ``make_out(refs[step])`` and compares it bit for bit with ``refs[step]`` (``check(out)``,
+    if given, must hold too)."""
+    for f in futs:
+        f.result()
+    for step, ref in refs.items():
+        out = make_out(ref)
+        dcp.load(out, checkpoint_id=str(root / f"s{step}"))
+        if check is not None:
+            assert check(out), f"s{step}"
+        assert_state_equal(ref, out, f"s{step}")
+
+
 def test_lazy_cuda_training_loop_is_exact(tmp_path: Any, writer_factory: Any) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
@@ -95,12 +111,7 @@ def test_lazy_cuda_training_loop_is_exact(tmp_path: Any, writer_factory: Any) ->
         refs[step] = _cpu(state)
         futs.append(dcp.async_save(state, storage_writer=w,
                                    checkpoint_id=str(tmp_path / f"s{step}")))
-    for f in futs:
-        f.result()
-    for step, ref in refs.items():
-        out = _cpu(ref)
-        dcp.load(out, checkpoint_id=str(tmp_path / f"s{step}"))
-        assert_state_equal(ref, out)
+    _load_each_and_compare(futs, refs, tmp_path, _cpu)
 
 
 def _engine() -> Any:
@@ -283,13 +294,10 @@ def _mixed_dtype_training(device: str, root: Any, cache: str) -> None:
             refs[step] = _device_clone(state)
             futs.append(dcp.async_save(state, storage_writer=w,
                                        checkpoint_id=str(root / f"s{step}")))
-        for f in futs:
-            f.result()
-        for step, ref in refs.items():
-            out = zeros_like_state(ref)
-            dcp.load(out, checkpoint_id=str(root / f"s{step}"))
-            assert out["model"]["fp8"].device == fp8.device
-            assert_state_equal(ref, out, f"s{step}")
+        _load_each_and_compare(
+            futs, refs, root, zeros_like_state,
+            check=lambda out: out["model"]["fp8"].device == fp8.device,
+        )
     finally:
         w.close()
 
