@@ -394,3 +394,31 @@ def test_owned_tensor_under_two_keys_and_in_two_saves_in_flight(
         out = zeros_like_state(ref)
         dcp.load(out, checkpoint_id=str(tmp_path / f"c{k}"))
         assert_state_equal(out, ref)
+
+
+def test_owned_tensor_reshaped_in_place_before_planning_fails_naming_it(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    """Misuse: an optimizer-owned tensor (which keys itself in its save) resized in place after
+    the call, before its copy and before DCP plans. The save fails with an error naming the
+    key; no checkpoint is committed, and the writer keeps working."""
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(1000)
+    opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    w: DataStatesWriter = writer_factory()
+    w.engine.pause_copies(True)
+    fut = dcp.async_save({"m": buf}, storage_writer=w, checkpoint_id=str(tmp_path / "c"))
+    buf.resize_(10)
+    w.engine.pause_copies(False)
+    # Either DCP planned the new shape (the planned-shape check) or it planned before the resize
+    # (the storage and version checks at the capture): both name the tensor.
+    with pytest.raises(BaseException, match=r"'m' planned with shape|tensor m changed"):
+        fut.result(timeout=30)
+    assert not os.path.exists(tmp_path / "c" / ".metadata")
+    fine = {"x": torch.arange(5.0)}
+    dcp.async_save(fine, storage_writer=w, checkpoint_id=str(tmp_path / "d")).result(timeout=30)
+    out = {"x": torch.zeros(5)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "d"))
+    assert torch.equal(out["x"], fine["x"])
