@@ -122,9 +122,12 @@ class SaveJob:
     finished: bool = False  # written or failed; its engine job is forgotten
     protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
     early: Any = None  # its EarlyPlacement (dcp_datastates.early), placed before DCP planned
-    # One process, async_save: write_data returned its results before the data was durable;
+    # The coordinator's async_save: write_data returned its results before the data was durable;
     # finish() completes this placement.PendingWrite before the commit. None otherwise.
     pending_write: Any = None
+    # Several ranks, a non-coordinator's async_save: the thread completing its write after
+    # write_data returned (writer._complete_in_background); its release joins it.
+    completer: threading.Thread | None = None
     gc_pause: ProtocolPause | None = None  # from stage() until its save thread takes it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

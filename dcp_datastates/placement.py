@@ -62,6 +62,12 @@ class PendingWrite:
         self._ended = False
         self._lock = threading.Lock()  # abandon() may come from a finalizer's thread
 
+    @property
+    def writes_manifest(self) -> bool:
+        """Whether ``complete()`` has work to do: wait for the data, write the manifest (the
+        safetensors format writes at placement and has neither)."""
+        return self._complete is not None
+
     def on_end(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` once this write is completed (or failed completing) or abandoned."""
         self._on_end.append(fn)

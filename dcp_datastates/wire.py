@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .rank_commit import AwaitedResults
+
 # The attribute sets an object must have, exactly, to be encoded (anything else: as it is).
 _ITEM_KEYS = frozenset(("index", "type", "bytes_io_data", "tensor_data"))
 _INDEX_KEYS = frozenset(("fqn", "offset", "index"))
@@ -175,7 +177,14 @@ def compact_plan(plan: SavePlan) -> SavePlan:
 
 class CompactWriteResults(list):  # type: ignore[type-arg]
     """A rank's list of ``WriteResult`` that pickles plain results compactly; it unpickles as a
-    plain list of equal ``WriteResult`` objects."""
+    plain list of equal ``WriteResult`` objects.
+
+    ``awaited``: ``(rank, save_id)``, set by a rank that sends its results before its data is
+    durable; they then unpickle as a ``rank_commit.AwaitedResults`` naming that rank and its
+    save id, whose manifest the coordinator waits for before it commits.
+    """
+
+    awaited: tuple[int, str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         out: list[Any] = []
@@ -197,7 +206,13 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
                 continue
             append((ix.fqn, ix.offset, ix.index, wr.size_in_bytes, sd.relative_path, sd.offset,
                     sd.length, sd.__dict__.get("transform_descriptors")))
+        if self.awaited is not None:
+            return (_load_awaited_results, (out, *self.awaited))
         return (_load_results, (out,))
+
+
+def _load_awaited_results(encoded: list[Any], rank: int, save_id: str) -> AwaitedResults:
+    return AwaitedResults(_load_results(encoded), rank, save_id)
 
 
 def _load_results(encoded: list[Any]) -> list[WriteResult]:

@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import barrier, forksafe
+from . import barrier, forksafe, rank_commit
 from .barrier import default_world_size
 from .capture import SaveJob, Stager
 from .checkpoints import RetentionPolicy
@@ -105,6 +105,7 @@ from .jobs import (
     StagedStateDict,
     async_save_uses_process_executor,
     current_executor_future,
+    describe_cause,
     release_cb,
     track_future,
 )
@@ -718,16 +719,26 @@ class DataStatesWriter(StorageWriter):
             results, pending = self._placer.write_deferred(ctx, job, plan, planner)
         except BaseException as e:
             self._raise_write_failure(ctx, job, e)
-        if self._single_process(ctx) and not job.adhoc:
-            # One process, async_save: its results go to finish() while the data still flushes;
-            # finish() waits for it (and pickles the .metadata meanwhile) before it commits.
-            # Should DCP stop before finish(), the job's release (its future completing) fails
-            # it and abandons the pending write. Not dcp.save: nothing would end such a job
-            # until the caller's thread saved again.
+        results = CompactWriteResults(results)  # DCP gathers them (wire.py)
+        if job.adhoc:
+            # dcp.save: nothing would end a job left pending here until the caller's thread
+            # saved again, so its results mean that its data is durable.
+            self._complete_write(ctx, job, pending)
+        elif ctx.coordinator:
+            # async_save: the results go to finish() while the data still flushes; finish()
+            # waits for it (and pickles the .metadata meanwhile), and for every rank that
+            # handed its results over early, before it commits. Should DCP stop before
+            # finish(), the job's release (its future completing) fails it and abandons the
+            # pending write.
             job.pending_write = pending
+        elif pending.writes_manifest and (kv := rank_commit.store()) is not None:
+            # Another rank, async_save: a thread of its own waits for the data, writes the
+            # manifest and reports to the coordinator, whose finish() waits for that report
+            # (rank_commit.py); the results say so.
+            self._complete_in_background(ctx, job, pending, kv)
+            results.awaited = (ctx.rank, ctx.save_id)
         else:
-            # Several ranks: the coordinator commits once every rank's results arrived, so a
-            # rank's results must mean that its data is durable.
+            # Other ranks of safetensors saves (or without a store): results once durable.
             self._complete_write(ctx, job, pending)
         ctx.begin_gc_pause()  # DCP gathers every rank's results (for finish() on the coordinator)
         if not ctx.coordinator:
@@ -737,15 +748,8 @@ class DataStatesWriter(StorageWriter):
             # other save. So the pause ends as the coordinator's does, when the save ends.
             ctx.end_gc_pause_after_save(len(plan.items))
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(CompactWriteResults(results))  # DCP gathers them (wire.py)
+        fut.set_result(results)
         return fut
-
-    @staticmethod
-    def _single_process(ctx: SaveContext) -> bool:
-        """Whether this save has one rank (the coordinator): no other rank's data to wait for."""
-        if not ctx.coordinator:
-            return False
-        return default_world_size() == 1
 
     def _complete_write(self, ctx: SaveContext, job: SaveJob, pending: PendingWrite) -> None:
         """Waits until this rank's data is durable and its manifest written; finishes the job.
@@ -758,6 +762,40 @@ class DataStatesWriter(StorageWriter):
                 self._submit_promotion(ctx, 0)
         except BaseException as e:
             self._raise_write_failure(ctx, job, e)
+
+    def _complete_in_background(
+        self, ctx: SaveContext, job: SaveJob, pending: PendingWrite, kv: Any
+    ) -> None:
+        """Completes a non-coordinator's write in a thread (``dcp_datastates-complete``).
+
+        The thread waits for the data, writes the manifest, finishes the job and reports to the
+        coordinator through the store ``kv``; on any failure it fails the job and reports the
+        error (rank_commit.py). The job's release joins it (aborting the job first if the save
+        failed elsewhere), so the job never ends while the thread may still use it.
+        """
+        rank, save_id, path = ctx.rank, ctx.save_id, ctx.path
+        promote = self._promoter is not None
+
+        def run() -> None:
+            try:
+                pending.complete()
+                self._table.finish_job(job, rank)
+            except BaseException as e:  # noqa: BLE001 - reported through the job and the store
+                err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
+                    f"save to {path} failed on rank {rank}: {type(e).__name__}: {e}"
+                )
+                if not isinstance(job.error, CheckpointSaveError):
+                    self._table.fail_job(job, err)
+                rank_commit.report(kv, rank, save_id, str(job.error or err))
+                return
+            rank_commit.report(kv, rank, save_id, None)
+            if promote:
+                # This rank's files are durable; the coordinator's promotion commits the copy.
+                self._submit_promotion(ctx, 0)
+
+        t = threading.Thread(target=run, name="dcp_datastates-complete", daemon=True)
+        job.completer = t
+        t.start()
 
     def _raise_write_failure(self, ctx: SaveContext, job: SaveJob, e: BaseException) -> NoReturn:
         """Fails ``job`` for ``e`` (unless it failed elsewhere first) and raises the error."""
@@ -796,6 +834,15 @@ class DataStatesWriter(StorageWriter):
                     blob = pickle.dumps(metadata)  # while the data is still flushing
                 ctx.end_gc_pause()  # training runs while this thread waits for the data
                 self._complete_write(ctx, job, pending)
+                others = rank_commit.awaited_ranks(results)
+                if others:  # ranks that sent their results before their data was durable
+                    kv = rank_commit.store()
+                    if kv is None:
+                        raise CheckpointSaveError(
+                            f"save to {ctx.path}: ranks {sorted(others)} report through the "
+                            "process group's store, which this rank cannot reach"
+                        )
+                    rank_commit.wait_for_ranks(kv, others, ctx.path)
                 ctx.begin_gc_pause()  # the commit and DCP's broadcast of the result
             ctx.directory().commit(metadata, self.config.durable, blob=blob)
             self._table.mark_committed(ctx.path, time.perf_counter())
@@ -897,6 +944,16 @@ class DataStatesWriter(StorageWriter):
         self, job: SaveJob, why: str, cause: BaseException | None = None, quiet: bool = False
     ) -> None:
         """Ends a staged job's protocol: fails it if its data was never written, drops it."""
+        completer, job.completer = job.completer, None
+        if completer is not None and completer is not threading.current_thread():
+            if cause is not None:
+                # The save failed elsewhere (another rank, the coordinator): stop waiting for
+                # this rank's flush. Only an abort here: the completion thread fails the job
+                # itself, since forgetting the engine job under its wait is not allowed.
+                self._engine.abort(
+                    job.engine_job, f"save to {job.checkpoint_id} failed: {describe_cause(cause)}"
+                )
+            completer.join()
         self._table.release_job(job, why, cause, quiet, path=self.path)
         pending, job.pending_write = job.pending_write, None
         if pending is not None:  # DCP stopped between write_data and finish()

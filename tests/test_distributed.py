@@ -212,6 +212,7 @@ def _no_collection_body(rank: int, world: int, root: str) -> list[int]:
     import gc
     import time
 
+    import dcp_datastates.rank_commit as rank_commit
     from dcp_datastates import DataStatesWriter
 
     sd = {"model": {f"r{rank}.t{i}": torch.full((4,), float(i)) for i in range(1500)}}
@@ -223,6 +224,16 @@ def _no_collection_body(rank: int, world: int, root: str) -> list[int]:
 
     def write_data(*a: Any, **k: Any) -> Any:
         out = real_write(*a, **k)
+        marks["written"] = time.perf_counter()
+        return out
+
+    # The coordinator completes its write in finish(), while the data flushes, and then waits
+    # for the other ranks' data (rank_commit.py): the collector runs meanwhile (training does);
+    # DCP's end of the save starts once that wait is over.
+    real_wait = rank_commit.wait_for_ranks
+
+    def wait_for_ranks(*a: Any, **k: Any) -> Any:
+        out = real_wait(*a, **k)
         marks["written"] = time.perf_counter()
         return out
 
@@ -241,6 +252,7 @@ def _no_collection_body(rank: int, world: int, root: str) -> list[int]:
 
     _DistWrapper.all_reduce = all_reduce  # type: ignore[method-assign]
     w.write_data = write_data  # type: ignore[method-assign]
+    rank_commit.wait_for_ranks = wait_for_ranks  # type: ignore[assignment]
     gc.callbacks.append(on_gc)
     during: list[int] = []
     try:
@@ -254,6 +266,7 @@ def _no_collection_body(rank: int, world: int, root: str) -> list[int]:
     finally:
         gc.callbacks.remove(on_gc)
         _DistWrapper.all_reduce = real_all_reduce  # type: ignore[method-assign]
+        rank_commit.wait_for_ranks = real_wait  # type: ignore[assignment]
         w.close()
     return during
 
@@ -262,7 +275,8 @@ def test_no_collection_while_dcp_ends_the_save_on_any_rank(tmp_path: Any) -> Non
     """After write_data, DCP still gathers the results and, on every other rank, unpickles the
     coordinator's metadata (an object per item): no collection may run before DCP's protocol
     is over, on any rank (one there scanned the whole process: 0.18 s every other save with
-    2 x 2,000 tensors). Collections start again once the save has ended."""
+    2 x 2,000 tensors). Collections start again once the save has ended. (The coordinator's
+    finish() lets the collector run while it waits for the ranks' data, as training does.)"""
     during = run_ranks(_no_collection_body, str(tmp_path / "ck"), tmp_path=tmp_path,
                        timeout_s=180)
     assert during == [[0, 0, 0], [0, 0, 0]], during
