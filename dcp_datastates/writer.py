@@ -950,9 +950,9 @@ class DataStatesWriter(StorageWriter):
                 # The save failed elsewhere (another rank, the coordinator): stop waiting for
                 # this rank's flush. Only an abort here: the completion thread fails the job
                 # itself, since forgetting the engine job under its wait is not allowed.
-                self._engine.abort(
-                    job.engine_job, f"save to {job.checkpoint_id} failed: {describe_cause(cause)}"
-                )
+                where = job.checkpoint_id or self.path
+                why_abort = f"save to {where} failed: {describe_cause(cause)}"
+                self._engine.abort(job.engine_job, why_abort)
             completer.join()
         self._table.release_job(job, why, cause, quiet, path=self.path)
         pending, job.pending_write = job.pending_write, None
