@@ -5,7 +5,8 @@ interleaved, one JSON object printed (or written with --out):
 
 * ``save``: ``dcp.save`` of N tensors of 4 floats, wall time and VmHWM;
 * ``async``: time ``dcp.async_save`` blocked the caller (median of --saves saves), split into
-  torch's own per-element work (``_stateful_to_state_dict``, timed alone on the same state) and
+  torch's own per-element work (``_stateful_to_state_dict``, timed alone on the same state; with
+  a DataStatesWriter in the process that is our equivalent of it, dcp_datastates/dcplog.py) and
   the rest (our ``stage()``, or the stock stager's copy), for three shapes of state: ``flat``
   (N top-level keys), ``nested`` (under one top-level key, which removes torch's per-element
   part) and ``owned`` (nested, and owned by an optimizer that has stepped, as a model's
@@ -49,8 +50,7 @@ def _child(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+    from torch.distributed.checkpoint import FileSystemWriter, state_dict_saver
 
     from dcp_datastates import DataStatesWriter
 
@@ -76,7 +76,7 @@ def _child(
             blocked, torch_part, barrier = [], [], []
             for k in range(saves):
                 t0 = time.perf_counter()
-                _stateful_to_state_dict(sd)
+                state_dict_saver._stateful_to_state_dict(sd)  # as DCP will call it
                 torch_part.append(time.perf_counter() - t0)
                 cid = os.path.join(root, f"s{k}")
                 writer = w if w is not None else FileSystemWriter(cid)
