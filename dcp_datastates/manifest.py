@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,7 +148,49 @@ def _ints(value: Any, what: str) -> list[int]:
     return list(value)
 
 
+def _nonneg_ints(values: Any) -> bool:
+    return type(values) is list and all(type(v) is int and v >= 0 for v in values)
+
+
 def _item(it: Any, i: int) -> ItemRecord:
+    """One item record. Well-formed items (the common case) are checked inline; anything else
+    goes through :func:`_item_checked`, which accepts the same and names what is malformed."""
+    if type(it) is dict:
+        get: Callable[[str], Any] = it.get
+        fqn, file, dtype, shape, chunks_raw = (
+            get("fqn"), get("file"), get("dtype"), get("shape"), get("chunks")
+        )
+        offset, ref = get("offset"), get("ref")
+        ints = (get("archive_offset"), get("archive_length"), get("payload_offset"),
+                get("payload_bytes"))
+        if (
+            type(fqn) is str
+            and type(file) is str
+            and type(dtype) is str
+            and all(type(v) is int and v >= 0 for v in ints)
+            and _nonneg_ints(shape)
+            and (offset is None or _nonneg_ints(offset))
+            and (ref is None or type(ref) is str)
+            and type(chunks_raw) is list
+            and all(_nonneg_ints(c) and len(c) == 3 for c in chunks_raw)
+        ):
+            return ItemRecord(
+                fqn=fqn,
+                offset=None if offset is None else list(offset),
+                file=file,
+                archive_offset=ints[0],
+                archive_length=ints[1],
+                payload_offset=ints[2],
+                payload_bytes=ints[3],
+                dtype=dtype,
+                shape=list(shape),
+                chunks=[(c[0], c[1], c[2]) for c in chunks_raw],
+                ref=ref,
+            )
+    return _item_checked(it, i)
+
+
+def _item_checked(it: Any, i: int) -> ItemRecord:
     where = f"item {i}: "
     if not isinstance(it, dict):
         raise ValueError(f"{where}not a JSON object")

@@ -35,11 +35,12 @@ Garbage collector: paused (process-wide, nesting with other pauses, see
 collection meanwhile scanned them and the rest of the heap (0.1-0.2 s of a 0.45 s restore of
 2,032 tensors).
 
-Threads: ``read_data`` runs in the caller's thread; the native reader starts ``threads`` threads
-per batch and joins them before returning (the GIL is released meanwhile). With more than one
-batch, one helper thread (``dcp_datastates-read``) runs the native reads while the caller's
-thread copies; it is joined before ``read_data`` returns or raises (reads not yet begun are
-cancelled), so no temporary is freed while a read may write into it.
+Threads: ``read_data`` runs in the caller's thread. One helper thread (``dcp_datastates-read``)
+runs the native reads, batch by batch (the native reader starts ``threads`` threads per batch and
+joins them before returning; the GIL is released meanwhile), while the caller's thread resolves
+the targets of the next batch and copies the previous one: reads begin once the first 16 MiB
+of targets are resolved. The helper is joined before ``read_data`` returns or raises (reads not
+yet begun are cancelled), so no temporary is freed while a read may write into it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import concurrent.futures
 import io
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,11 @@ logger = logging.getLogger(__name__)
 
 # Longest collector pause of one load (should DCP never call read_data: it only costs speed).
 READ_PAUSE_MAX_S = 10.0
+# Batches of the native reads (see DataStatesReader._batches): the first is small, so reads
+# begin while the rest of the targets are still being resolved.
+FIRST_BATCH_BYTES = 16 << 20
+BATCH_BYTES = 64 << 20
+BATCH_CHUNKS = 1024
 
 _Key = tuple[str, tuple[int, ...] | None]
 
@@ -302,42 +309,50 @@ class DataStatesReader(FileSystemReader):
     def _read_tensors(self, chunks: list[_Chunk], planner: LoadPlanner) -> int:
         """Reads the chunks in batches (temporaries bounded by buffer_bytes); returns bytes.
 
-        With several batches, a helper thread reads the next batch (native, GIL released) while
-        this thread copies the previous one into its targets: at most two batches of temporaries
-        exist at a time. Temporaries for CUDA targets are pinned where possible and copied
-        asynchronously; every device copied to is synchronized before this returns.
+        A helper thread reads each batch (native, GIL released) while this thread resolves the
+        targets of the next one (:meth:`_batches`) and then copies the previous one into its
+        targets: at most two batches of temporaries exist at a time. Temporaries for CUDA
+        targets are pinned where possible and copied asynchronously; every device copied to is
+        synchronized before this returns.
         """
-        batches: list[list[_Chunk]] = [[]]
-        temp_bytes = 0
-        for ch in chunks:
-            self._choose_destination(ch, planner)
-            if not ch.direct:
-                if batches[-1] and temp_bytes + ch.rec.payload_bytes > self.buffer_bytes:
-                    batches.append([])
-                    temp_bytes = 0
-                temp_bytes += ch.rec.payload_bytes
-            batches[-1].append(ch)
-        batches = [b for b in batches if b]
         devices: set[torch.device] = set()  # targets of asynchronous copies
         try:
-            if len(batches) > 1:
-                return self._read_pipelined(batches, planner, devices)
-            total = 0
-            for batch in batches:
-                self._allocate(batch)
-                total += self._read_batch(batch)
-                self._deliver_batch(batch, planner, devices)
-            return total
+            return self._read_pipelined(self._batches(chunks, planner), planner, devices)
         finally:
             for device in devices:
                 torch.cuda.synchronize(device)
 
+    def _batches(self, chunks: list[_Chunk], planner: LoadPlanner) -> Iterator[list[_Chunk]]:
+        """Resolves each chunk's destination and yields the chunks in batches, lazily: reads
+        begin once the first batch (FIRST_BATCH_BYTES) is resolved, not once every target is.
+        A batch closes at BATCH_BYTES or BATCH_CHUNKS, or before its temporaries would exceed
+        buffer_bytes (a chunk larger than that is a batch of its own)."""
+        batch: list[_Chunk] = []
+        temp_bytes = size = 0
+        limit = FIRST_BATCH_BYTES
+        for ch in chunks:
+            self._choose_destination(ch, planner)
+            n = ch.rec.payload_bytes
+            if batch and (
+                size + n > limit
+                or len(batch) >= BATCH_CHUNKS
+                or (not ch.direct and temp_bytes + n > self.buffer_bytes)
+            ):
+                yield batch
+                batch, temp_bytes, size, limit = [], 0, 0, BATCH_BYTES
+            batch.append(ch)
+            size += n
+            if not ch.direct:
+                temp_bytes += n
+        if batch:
+            yield batch
+
     def _read_pipelined(
-        self, batches: list[list[_Chunk]], planner: LoadPlanner, devices: set[torch.device]
+        self, batches: Iterator[list[_Chunk]], planner: LoadPlanner, devices: set[torch.device]
     ) -> int:
-        """Batch k+1 is read by one helper thread while batch k is delivered here. Whatever
-        happens, no temporary is dropped while a native read may still write into it (the
-        helper is joined first; reads not yet begun are cancelled)."""
+        """Batch k+1 is resolved here and read by one helper thread while batch k is read, then
+        delivered here. Whatever happens, no temporary is dropped while a native read may
+        still write into it (the helper is joined first; reads not yet begun are cancelled)."""
         total = 0
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_datastates-read")
         try:
@@ -349,9 +364,9 @@ class DataStatesReader(FileSystemReader):
                     total += prev[1].result()
                     self._deliver_batch(prev[0], planner, devices)
                 prev = (batch, fut)
-            assert prev is not None
-            total += prev[1].result()
-            self._deliver_batch(prev[0], planner, devices)
+            if prev is not None:
+                total += prev[1].result()
+                self._deliver_batch(prev[0], planner, devices)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return total

@@ -5,6 +5,7 @@ bit-exact round trips of many tiny tensors through async_save and dcp.save."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from typing import Any
 
@@ -237,3 +238,43 @@ def test_dcp_save_resolves_items_through_a_planner_that_transforms_them(tmp_path
     assert torch.equal(out["a"], state["a"] * 2) and torch.equal(out["p"], torch.full((3,), 2.0))
     dcp.load(out, checkpoint_id=str(tmp_path / "p"))
     assert torch.equal(out["a"], state["a"]) and torch.equal(out["p"], torch.ones(3))
+
+
+_GOOD_ITEM: dict[str, Any] = {
+    "fqn": "w", "offset": [0, 4], "file": "__0_0.distcp", "archive_offset": 0,
+    "archive_length": 100, "payload_offset": 64, "payload_bytes": 16, "dtype": "float32",
+    "shape": [4], "chunks": [[64, 16, 7]],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({}, None),
+        ({"offset": None, "ref": "step-1", "extra": 1}, None),  # unknown fields are ignored
+        ({"archive_offset": True}, "field 'archive_offset' is not a int"),
+        ({"payload_bytes": -1}, "field 'payload_bytes' is negative"),
+        ({"shape": [4, "x"]}, "'shape' is not a list of non-negative ints"),
+        ({"offset": [0, -4]}, "'offset' is not a list of non-negative ints"),
+        ({"chunks": [[64, 16]]}, "a chunk is not [offset, bytes, crc]"),
+        ({"chunks": [[64, 16, 7.0]]}, "a chunk is not a list of non-negative ints"),
+        ({"ref": 3}, "field 'ref' is not a str"),
+        ({"fqn": None}, "field 'fqn' is not a str"),
+        ({"file": None}, "field 'file' is missing"),
+    ],
+)
+def test_manifest_items_parse_as_the_checked_parser_does(
+    change: dict[str, Any], message: str | None
+) -> None:
+    """Well-formed items take an inline check; whatever it does not accept goes through the
+    checked parser, whose error names what is malformed: the two accept the same items."""
+    from dcp_datastates.manifest import _item, _item_checked
+
+    item = {**_GOOD_ITEM, **change}
+    if change.get("file", "") is None:
+        del item["file"]
+    if message is None:
+        assert _item(item, 0) == _item_checked(item, 0)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _item(item, 0)
