@@ -20,8 +20,10 @@ shards are placed, and flush, before DCP plans: dcp_datastates.early); the defau
 holds each rank's shard as a plain tensor under a name of its own.
 
 Per save and rank: ``call_s`` (async_save blocked the caller), ``plan_s`` (from the planner's
-set-up to the end of ``finish_plan``: local plan, gather, global plan, scatter), ``durable_s``
-(until the future completed). A save counts by its slowest rank; the first save (which builds
+set-up to the end of ``finish_plan``: local plan, gather, global plan, scatter), ``plan_cpu_s``
+(the CPU time the save thread spent in that span: with fewer cores than ranks, the part of the
+planning's growth that is work and not waiting for a core), ``durable_s`` (until the future
+completed). A save counts by its slowest rank; the first save (which builds
 the plan and faults in buffers) is reported apart from the median of the later ones. Writes JSON
 and a PNG::
 
@@ -90,11 +92,13 @@ def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: A
             class Timed(base):  # type: ignore[misc,valid-type]
                 def set_up_planner(self, *a: Any, **k: Any) -> None:
                     marks["plan0"] = time.perf_counter()
+                    marks["cpu0"] = time.thread_time()
                     super().set_up_planner(*a, **k)
 
                 def finish_plan(self, new_plan: Any) -> Any:
                     out = super().finish_plan(new_plan)
                     marks["plan1"] = time.perf_counter()
+                    marks["cpu1"] = time.thread_time()
                     return out
 
             return Timed
@@ -137,6 +141,7 @@ def _rank(rank: int, world: int, init: str, root: str, cfg: dict[str, Any], q: A
                     "call_s": t1 - t0,
                     "step_s": t_step - t1,
                     "plan_s": marks["plan1"] - marks["plan0"],
+                    "plan_cpu_s": marks["cpu1"] - marks["cpu0"],
                     "durable_s": t2 - t0,
                 })
                 dist.barrier()
@@ -267,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w} ranks: {r['error']}")
             continue
         parts = [
-            f"{n} plan {r[n]['plan_s']:.3f} call {r[n]['call_s']:.3f} "
+            f"{n} plan {r[n]['plan_s']:.3f} (cpu {r[n]['plan_cpu_s']:.3f}) "
+            f"call {r[n]['call_s']:.3f} "
             f"step {r[n]['step_s']:.3f} durable {r[n]['durable_s']:.3f}"
             for n in contenders
         ]

@@ -264,6 +264,7 @@ def test_scale_out_quick(
             c = res["by_world"][w][name]
             assert len(c["saves"]) == res["config"]["saves"]
             assert 0 <= c["call_s"] <= c["durable_s"] and c["plan_s"] >= 0 and c["step_s"] >= 0
+            assert 0 <= c["plan_cpu_s"]
 
 
 def test_d2h_runs_every_contender_on_cpu(tmp_path: Path) -> None:
