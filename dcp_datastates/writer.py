@@ -755,13 +755,18 @@ class DataStatesWriter(StorageWriter):
         """Waits until this rank's data is durable and its manifest written; finishes the job.
         Raises (failing the job) on any failure."""
         try:
-            pending.complete()
-            self._table.finish_job(job, ctx.rank)
-            if self._promoter is not None and not ctx.coordinator:
-                # This rank's files are durable; the coordinator's promotion commits the copy.
-                self._submit_promotion(ctx, 0)
+            self._write_completed(ctx, job, pending)
         except BaseException as e:
             self._raise_write_failure(ctx, job, e)
+
+    def _write_completed(self, ctx: SaveContext, job: SaveJob, pending: PendingWrite) -> None:
+        """Waits for the data, writes the manifest, finishes the job, queues the promotion of
+        another rank's files; raises on any failure (the caller fails the job)."""
+        pending.complete()
+        self._table.finish_job(job, ctx.rank)
+        if self._promoter is not None and not ctx.coordinator:
+            # This rank's files are durable; the coordinator's promotion commits the copy.
+            self._submit_promotion(ctx, 0)
 
     def _complete_in_background(
         self, ctx: SaveContext, job: SaveJob, pending: PendingWrite, kv: Any
@@ -773,25 +778,16 @@ class DataStatesWriter(StorageWriter):
         error (rank_commit.py). The job's release joins it (aborting the job first if the save
         failed elsewhere), so the job never ends while the thread may still use it.
         """
-        rank, save_id, path = ctx.rank, ctx.save_id, ctx.path
-        promote = self._promoter is not None
-
         def run() -> None:
             try:
-                pending.complete()
-                self._table.finish_job(job, rank)
+                self._write_completed(ctx, job, pending)
             except BaseException as e:  # noqa: BLE001 - reported through the job and the store
-                err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
-                    f"save to {path} failed on rank {rank}: {type(e).__name__}: {e}"
-                )
+                err = _save_error(ctx, e)
                 if not isinstance(job.error, CheckpointSaveError):
                     self._table.fail_job(job, err)
-                rank_commit.report(kv, rank, save_id, str(job.error or err))
+                rank_commit.report(kv, ctx.rank, ctx.save_id, str(job.error or err))
                 return
-            rank_commit.report(kv, rank, save_id, None)
-            if promote:
-                # This rank's files are durable; the coordinator's promotion commits the copy.
-                self._submit_promotion(ctx, 0)
+            rank_commit.report(kv, ctx.rank, ctx.save_id, None)
 
         t = threading.Thread(target=run, name="dcp_datastates-complete", daemon=True)
         job.completer = t
@@ -805,9 +801,7 @@ class DataStatesWriter(StorageWriter):
             # the cause; what this thread hit afterwards is only a consequence.
             self._release_claim(ctx)
             raise reraisable(job.error) from e
-        err = e if isinstance(e, CheckpointSaveError) else CheckpointSaveError(
-            f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
-        )
+        err = _save_error(ctx, e)
         self._table.fail_job(job, err)
         self._release_claim(ctx)  # a later save to this path must not find it busy
         if err is e:
@@ -970,6 +964,15 @@ class DataStatesWriter(StorageWriter):
         self._check_owner()
         if self._closed:
             raise RuntimeError("this DataStatesWriter is closed")
+
+
+def _save_error(ctx: SaveContext, e: BaseException) -> CheckpointSaveError:
+    """``e`` as the error of this save on this rank (itself if it is one already)."""
+    if isinstance(e, CheckpointSaveError):
+        return e
+    return CheckpointSaveError(
+        f"save to {ctx.path} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+    )
 
 
 def _spill_dirs(path: str) -> list[str]:

@@ -166,6 +166,57 @@ def test_a_rank_that_fails_or_never_reports_after_handing_over_fails_the_save_ev
     assert os.path.exists(f"{root}/bad/.datastates.incomplete")
 
 
+def _fork_and_drop_body(rank: int, world: int, root: str) -> str:
+    """While rank 1's completion thread still waits for its slowed flush, rank 1 forks a child
+    (a DataLoader worker would) and then drops its writer without closing it."""
+    import gc
+
+    from dcp_datastates import DataStatesWriter
+
+    sd = _state(rank)
+    pg = dist.new_group(backend="gloo")
+    w = DataStatesWriter(root, host_cache_size="8MiB")
+    if rank == 1:
+        w._engine.set_delays(0, 30_000, seed=3)
+    fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{root}/f", process_group=pg)
+    child = ""
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not any(t.name == "dcp_datastates-complete" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "no completion thread"
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:  # the child: the writer refuses, nothing hangs, nothing is written
+            try:
+                w.wait()
+                os._exit(3)
+            except RuntimeError as e:
+                os._exit(0 if "forked child" in str(e) else 4)
+        _, status = os.waitpid(pid, 0)
+        child = str(os.waitstatus_to_exitcode(status))
+        del w  # dropped, not closed, while its save is in flight
+        gc.collect()
+    fut.result(120)
+    if rank == 0:
+        w.close()
+    dist.barrier()
+    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+           "shared": torch.zeros(32)}
+    dcp.load(out, checkpoint_id=f"{root}/f", process_group=pg)
+    assert_state_equal(out, sd)
+    return child
+
+
+def test_a_fork_and_a_dropped_writer_during_the_hand_over_lose_nothing(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    res = run_ranks(_fork_and_drop_body, root, tmp_path=tmp_path, timeout_s=180)
+    assert res[1] == "0", res  # the child got the forked-child error, exited at once
+    from dcp_datastates import verify_checkpoint
+
+    rep = verify_checkpoint(f"{root}/f")
+    assert rep.ok and rep.ranks == 2, rep.summary()
+
+
 # -- the store protocol alone ----------------------------------------------------------------
 
 
