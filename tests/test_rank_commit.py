@@ -35,6 +35,14 @@ def _state(rank: int) -> dict[str, Any]:
     }
 
 
+def _load_and_check(ckpt: str, sd: dict[str, Any], pg: Any) -> None:
+    """Loads ``ckpt`` with the stock reader into zeros shaped like ``sd``; bit for bit."""
+    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+           "shared": torch.zeros(32)}
+    dcp.load(out, checkpoint_id=ckpt, process_group=pg)
+    assert_state_equal(out, sd)
+
+
 def _instrument(w: Any, events: dict[str, float]) -> None:
     """Records when write_data returned (and whether it handed its results over early), when
     this rank reported, and when the commit happened."""
@@ -77,10 +85,7 @@ def _ordered_body(rank: int, world: int, root: str) -> dict[str, float]:
         )
         w._engine.set_delays(0, 0)
     dist.barrier()
-    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
-           "shared": torch.zeros(32)}
-    dcp.load(out, checkpoint_id=f"{root}/a", process_group=pg)
-    assert_state_equal(out, sd)
+    _load_and_check(f"{root}/a", sd, pg)
     return events
 
 
@@ -140,10 +145,7 @@ def _failing_body(rank: int, world: int, root: str, how: str) -> list[str]:
             pass
     dist.barrier()
     outcomes.append(str(os.path.exists(f"{root}/bad/.metadata")))
-    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
-           "shared": torch.zeros(32)}
-    dcp.load(out, checkpoint_id=f"{root}/good", process_group=pg)
-    assert_state_equal(out, sd)
+    _load_and_check(f"{root}/good", sd, pg)
     return outcomes
 
 
@@ -200,10 +202,7 @@ def _fork_and_drop_body(rank: int, world: int, root: str) -> str:
     if rank == 0:
         w.close()
     dist.barrier()
-    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
-           "shared": torch.zeros(32)}
-    dcp.load(out, checkpoint_id=f"{root}/f", process_group=pg)
-    assert_state_equal(out, sd)
+    _load_and_check(f"{root}/f", sd, pg)
     return child
 
 
