@@ -140,6 +140,7 @@ def _host_cache_bytes(spec: MLPRunSpec, nbytes: int, ntensors: int) -> int:
 
 def run_once(spec: MLPRunSpec) -> dict[str, Any]:
     """One run of ``spec`` in this process; returns its JSON-able measurements."""
+    from benchmarks.contention import thread_cpu_seconds
     from benchmarks.contenders import SaveContext, SaveRecord, make_contender
     from benchmarks.metrics import now, release_memory, rss_bytes, vmhwm_bytes
     from benchmarks.scenarios import finish_saves, teardown_quietly
@@ -178,6 +179,7 @@ def run_once(spec: MLPRunSpec) -> dict[str, Any]:
             run["label"] = c.label
         release_memory()
         rss0 = rss_bytes()
+        cpu0 = thread_cpu_seconds()
         iters: list[list[float]] = []
         pending: SaveRecord | None = None
         t_loop0 = now()
@@ -209,6 +211,8 @@ def run_once(spec: MLPRunSpec) -> dict[str, Any]:
         if c is not None:
             c.drain()
         t_end = now()
+        cpu1 = thread_cpu_seconds()
+        run["thread_cpu_s"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
         run.update(
             {
                 "t_loop0": t_loop0,

@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="one process per scenario (default: on, off with --quick)",
     )
+    p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        help="mlp-loop: N busy processes beside every run (a data-loader worker, a neighbour job)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds per worker job")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--no-plots", action="store_true")
@@ -369,6 +375,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
         disk_probe_max_bytes=parse_size(str(pick("disk_probe", "disk_probe"))),
         keep_checkpoints=args.keep_checkpoints,
         torch_threads=args.torch_threads or (1 if args.quick else 0),
+        contend=args.contend,
     )
     isolate = (not args.quick) if args.isolate is None else args.isolate
     timeout = args.timeout or (300.0 if args.quick else 3600.0)

@@ -113,6 +113,7 @@ class RunOptions:
     disk_probe_max_bytes: int = 1024 * MiB
     keep_checkpoints: bool = False
     torch_threads: int = 0  # intra-op threads per rank; 0: cores / ranks
+    contend: int = 0  # busy processes beside each measured run (benchmarks.contention)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -517,6 +518,7 @@ MLP_CHILD_TIMEOUT_S = 900.0
 
 def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
     """Rounds of every contender (order rotated per round), each run in its own process."""
+    from benchmarks.contention import contention
     from benchmarks.mlp_loop import NONE, MLPRunSpec, mlp_config, run_in_child
 
     if env.world_size != 1:
@@ -528,6 +530,7 @@ def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         "mlp": asdict(cfg),
         "params": cfg.param_count(),
         "threads": threads,
+        "contend": opts.contend,
         "contenders": {NONE: _contender_header(NONE, None, None)},
     }
     active = [NONE, *_declare_contenders(out, scn.contenders, env.device)]
@@ -556,9 +559,10 @@ def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
                 rep=rep,
             )
             print(f"   {scn.name} round {rep}: {name}", flush=True)
-            run = run_in_child(
-                spec, os.path.join(base, f"{name}.rep{rep}.json"), MLP_CHILD_TIMEOUT_S
-            )
+            with contention(opts.contend):
+                run = run_in_child(
+                    spec, os.path.join(base, f"{name}.rep{rep}.json"), MLP_CHILD_TIMEOUT_S
+                )
             _record(out, name, run)
     return out
 

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from .barrier import DTensor, _local, default_world_size
+from .cpuload import CpuMeter
 from .engine import Engine
 from .errors import CaptureError
 from .gcpause import ProtocolPause
@@ -108,6 +109,7 @@ class SaveJob:
     blocked_s: float = 0.0  # time the training thread spent in barriers for this job
     stall_s: float = 0.0  # time stage() waited for host cache space
     lazy_bytes: int = 0  # bytes left to the background copies (0: all taken at the call)
+    busy_bytes: int = 0  # lazy by policy, copied at the call: the machine was busy (cpuload.py)
     lazy_owners: set[int | None] = field(default_factory=set)  # owners of its lazy tensors
     captured_before_barrier: bool | None = None
     verified: bool = False  # lazy capture checked against version counters
@@ -294,8 +296,10 @@ class Stager:
         capture_mode: str,
         spill_dirs: list[str] | None = None,
         incremental: Tracker | None = None,
+        meter: CpuMeter | None = None,
     ) -> None:
         self._engine = engine
+        self._meter = meter  # machine load: lazy copies or copies at the call (cpuload.py)
         self._mode = capture_mode
         self._spill_dirs = spill_dirs if spill_dirs is not None else [tempfile.gettempdir()]
         self._warned_overflow = False
@@ -684,8 +688,14 @@ class Stager:
                     cap.source = _RELEASED
                     continue
             self._make_lazy(job, cap)
-        # Then what may be lazy: the background copies take it.
-        for cap in batch.lazy:
+        # Then what may be lazy: the background copies take it, unless the machine's other work
+        # would starve them (cpuload.py); host state is then copied now, what fits right away.
+        lazy = batch.lazy
+        if lazy and self._meter is not None:
+            load = self._meter.sample()
+            if load is not None and load.starves_idle_threads:
+                lazy = self._capture_now_busy(job, lazy)
+        for cap in lazy:
             self._make_lazy(job, cap)
         if overflow and not self._warned_overflow:
             self._warned_overflow = True
@@ -698,6 +708,28 @@ class Stager:
                 ", ".join(overflow[:3]),
                 " ..." if len(overflow) > 3 else "",
             )
+
+    def _capture_now_busy(
+        self, job: SaveJob, lazy: list[CapturedTensor]
+    ) -> list[CapturedTensor]:
+        """Copies the host tensors of ``lazy`` at the call, as far as the cache has room now.
+
+        Returns what is left to the background copies (device tensors, and what did not fit:
+        waiting for space here would block the call behind earlier saves' flushes).
+        """
+        host = [cap for cap in lazy if cap.nbytes and cap.source.device.type == "cpu"]
+        if not host:
+            return lazy
+        taken = self._engine.capture_now_many(job.engine_job, [cap.entry for cap in host])
+        took: set[int] = set()
+        for cap, ok in zip(host, taken, strict=True):
+            if ok:
+                cap.lazy = False
+                cap.at_call = True
+                cap.source = _RELEASED
+                took.add(id(cap))
+                job.busy_bytes += cap.nbytes
+        return [cap for cap in lazy if id(cap) not in took]
 
     def _make_lazy(self, job: SaveJob, cap: CapturedTensor) -> None:
         if cap.nbytes == 0:

@@ -93,6 +93,7 @@ from .capture import SaveJob, Stager
 from .checkpoints import RetentionPolicy
 from .commit import METADATA_FILE, CheckpointDir
 from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
+from .cpuload import CpuMeter
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
@@ -185,6 +186,10 @@ class DataStatesWriter(StorageWriter):
         flush_nice: niceness (0..19) of flush threads (default 5) when they are not idle.
         idle_priority: run the engine's copy threads under SCHED_IDLE (default: on), so
             background copies only use CPU time training leaves idle.
+        adapt_to_load: copy a save's lazy state at the call instead (native threads at normal
+            priority) when, since the previous save, other processes kept every core busy, so
+            idle-priority copies would starve and land at the optimizer step (default: on;
+            ``dcp_datastates.cpuload``). Off: the capture policy alone decides.
         flush_idle: run flush threads under SCHED_IDLE too (default: off). Flushes mostly wait
             for the disk (O_DIRECT writes, checksums taken during the copy), so at a normal
             priority they keep the disk busy while training runs; turn on where writes cost CPU
@@ -253,6 +258,7 @@ class DataStatesWriter(StorageWriter):
         prefault: bool = False,
         flush_nice: int = 5,
         idle_priority: bool = True,
+        adapt_to_load: bool = True,
         flush_idle: bool = False,
         step_barrier: bool = True,
         pin_memory: bool | None = None,
@@ -288,6 +294,7 @@ class DataStatesWriter(StorageWriter):
             prefault=prefault,
             flush_nice=flush_nice,
             idle_priority=idle_priority,
+            adapt_to_load=adapt_to_load,
             flush_idle=flush_idle,
             step_barrier=step_barrier,
             format=format,
@@ -329,8 +336,9 @@ class DataStatesWriter(StorageWriter):
             except CheckpointSaveError:
                 self._engine.close()
                 raise
+        meter = CpuMeter() if self.config.adapt_to_load and self.config.idle_priority else None
         self._stager = Stager(
-            self._engine, self.config.capture, _spill_dirs(self.path), self._incremental
+            self._engine, self.config.capture, _spill_dirs(self.path), self._incremental, meter
         )
         self._templates = TemplateCache()
         self._placer = Placer(

@@ -409,6 +409,8 @@ PYBIND11_MODULE(_core, m) {
              d["pending_copies"] = c.pending_copies;
              d["pending_flushes"] = c.pending_flushes;
              d["helped_copies"] = c.helped_copies;
+             d["boosts"] = c.boosts;
+             d["boost_refused"] = c.boost_refused;
              return d;
            })
       .def("pause_copies", [](EngineHandle& h, bool p) { h.get().pause_copies(p); },

@@ -1,5 +1,6 @@
 #include "engine.hpp"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -36,7 +37,11 @@ std::size_t clamp_chunk(const EngineOptions& o) {
   return c;
 }
 
-void set_thread_priority(const EngineOptions& o, bool flush) {
+// Names the calling worker thread ("dcpds-copy0", "dcpds-flush1": what top -H, py-spy and
+// /proc/<pid>/task/*/comm show) and sets its priority.
+void set_thread_identity(const EngineOptions& o, bool flush, int index) {
+  const std::string name = std::string(flush ? "dcpds-flush" : "dcpds-copy") + std::to_string(index);
+  ::pthread_setname_np(::pthread_self(), name.substr(0, 15).c_str());  // best effort
   const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
   if (flush ? o.flush_idle : o.idle_priority) {
     sched_param param{};
@@ -629,8 +634,18 @@ bool Engine::pop_copy_locked(CopyTask& task, Job*& job, std::size_t& bytes,
   return false;
 }
 
-void Engine::copy_loop(int /*index*/) {
-  set_thread_priority(options_, /*flush=*/false);
+void Engine::copy_loop(int index) {
+  {
+    // Registered before the thread lowers its priority: a barrier that boosts from now on sees it
+    // (and raises it again if the boost is already on).
+    std::lock_guard<std::mutex> lock(boost_mu_);
+    copy_tids_.push_back(static_cast<pid_t>(::syscall(SYS_gettid)));
+    set_thread_identity(options_, /*flush=*/false, index);
+    if (boosted_) {
+      sched_param param{};
+      ::sched_setscheduler(copy_tids_.back(), SCHED_OTHER, &param);  // best effort
+    }
+  }
   // Per-thread CUDA resources, created on first use, one stream/event per device.
   CudaResources cuda_res;
   int current_device = -1;
@@ -1235,8 +1250,8 @@ void Engine::do_finalize(Job& job) {
   state_cv_.notify_all();
 }
 
-void Engine::flush_loop(int /*index*/) {
-  set_thread_priority(options_, /*flush=*/true);  // this thread only; best effort
+void Engine::flush_loop(int index) {
+  set_thread_identity(options_, /*flush=*/true, index);  // this thread only; best effort
   for (;;) {
     FlushTask task{};
     Job* job = nullptr;
@@ -1322,8 +1337,43 @@ bool Engine::wait_job(std::uint64_t job_id, double timeout_s, bool until_done) {
   return true;
 }
 
+void Engine::boost_copy_threads(bool up) {
+  if (!options_.idle_priority) return;
+  std::lock_guard<std::mutex> lock(boost_mu_);
+  if (up ? boost_depth_++ > 0 : --boost_depth_ > 0) return;
+  if (up) {
+    ++boosts_;
+    bool refused = false;
+    sched_param param{};
+    for (pid_t tid : copy_tids_)
+      if (::sched_setscheduler(tid, SCHED_OTHER, &param) != 0) refused = true;
+    boosted_ = !refused;
+    if (refused) {
+      ++boost_refused_;
+      for (pid_t tid : copy_tids_) ::sched_setscheduler(tid, SCHED_IDLE, &param);
+    }
+  } else if (boosted_) {
+    sched_param param{};
+    for (pid_t tid : copy_tids_) ::sched_setscheduler(tid, SCHED_IDLE, &param);  // always allowed
+    boosted_ = false;
+  }
+}
+
 bool Engine::help_until_captured(std::uint64_t job_id, double timeout_s) {
   check_owner();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Job& waited = job_locked(job_id);
+    if (waited.captured || (waited.failed.load() && waited.uncaptured == 0)) {
+      check_failed_locked(waited);
+      return true;
+    }
+  }
+  boost_copy_threads(true);
+  struct Unboost {
+    Engine* e;
+    ~Unboost() { e->boost_copy_threads(false); }
+  } unboost{this};
   using clock = std::chrono::steady_clock;
   const bool forever = timeout_s < 0;
   const auto deadline =
@@ -1425,12 +1475,17 @@ JobStats Engine::stats(std::uint64_t job_id) {
 
 EngineCounters Engine::counters() {
   check_owner();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   std::size_t files = 0;
   for (auto& kv : jobs_)
     for (auto& f : kv.second->files) files += f->is_open() ? 1 : 0;
-  return EngineCounters{cache_.size(), ring_.used_bytes(), ring_.live_blocks(), jobs_.size(),
-                        files, copy_queue_.size(), flush_queue_.size(), helped_copies_};
+  EngineCounters c{cache_.size(), ring_.used_bytes(), ring_.live_blocks(), jobs_.size(),
+                   files, copy_queue_.size(), flush_queue_.size(), helped_copies_, 0, 0};
+  lock.unlock();
+  std::lock_guard<std::mutex> boost_lock(boost_mu_);
+  c.boosts = boosts_;
+  c.boost_refused = boost_refused_;
+  return c;
 }
 
 void Engine::enable_cuda(const std::string& runtime_path) {

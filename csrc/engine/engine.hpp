@@ -112,6 +112,11 @@ struct EngineCounters {
   std::size_t pending_copies;
   std::size_t pending_flushes;
   std::uint64_t helped_copies;  // chunks copied by threads waiting in a barrier (since start)
+  // Barriers that raised the idle-priority copy threads to normal priority while they waited
+  // (boosts), and those the OS refused (boost_refused: SCHED_IDLE may be left only with
+  // CAP_SYS_NICE or a sufficient RLIMIT_NICE; the barrier then copies alone).
+  std::uint64_t boosts;
+  std::uint64_t boost_refused;
 };
 
 class Engine {
@@ -201,6 +206,10 @@ class Engine {
   // queue order, like one more copy thread at the caller's priority): a barrier that blocks
   // training anyway makes progress even when the copy threads, under SCHED_IDLE, get no CPU
   // because other processes keep every core busy. CUDA copies are left to the copy threads.
+  // While any barrier waits, idle-priority copy threads run at normal priority (see boost_):
+  // a chunk an idle-priority thread took before the barrier began would otherwise keep the
+  // barrier waiting for as long as the machine's other work starves that thread (priority
+  // inversion), and the barrier gets the copy threads' help besides its own.
   bool help_until_captured(std::uint64_t job, double timeout_s);
   bool wait_done(std::uint64_t job, double timeout_s);
   bool is_captured(std::uint64_t job);
@@ -314,6 +323,14 @@ class Engine {
 
   using CudaResources = std::map<int, std::pair<CudaRuntime::Stream, CudaRuntime::Event>>;
   void copy_loop(int index);
+  // Barrier boost: the first waiter raises every copy thread from SCHED_IDLE to SCHED_OTHER, the
+  // last one lowers them again (boost_mu_ only; never under mu_). A no-op without idle_priority.
+  void boost_copy_threads(bool up);
+  std::mutex boost_mu_;
+  int boost_depth_ = 0;              // barriers waiting now (boost_mu_)
+  bool boosted_ = false;             // the copy threads run at normal priority (boost_mu_)
+  std::vector<pid_t> copy_tids_;     // kernel thread ids of the copy threads (boost_mu_)
+  std::uint64_t boosts_ = 0, boost_refused_ = 0;  // (boost_mu_)
   std::uint64_t helped_copies_ = 0;  // under mu_
   // pop_copy_locked's filter: any task, host copies only (kHostDevice), or one CUDA device.
   static constexpr int kAnyDevice = -2;
