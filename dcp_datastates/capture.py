@@ -690,13 +690,13 @@ class Stager:
             self._make_lazy(job, cap)
         # Then what may be lazy: the background copies take it, unless the machine's other work
         # would starve them (cpuload.py); host state is then copied now, what fits right away.
-        lazy = batch.lazy
-        if lazy and self._meter is not None:
+        if self._meter is not None and (batch.lazy or job.lazy_bytes):
             load = self._meter.sample()
             if load is not None and load.starves_idle_threads:
-                lazy = self._capture_now_busy(job, lazy)
-        for cap in lazy:
-            self._make_lazy(job, cap)
+                self._capture_now_busy(job, batch)
+        for cap in batch.lazy:
+            if not cap.at_call:
+                self._make_lazy(job, cap)
         if overflow and not self._warned_overflow:
             self._warned_overflow = True
             logger.warning(
@@ -709,27 +709,30 @@ class Stager:
                 " ..." if len(overflow) > 3 else "",
             )
 
-    def _capture_now_busy(
-        self, job: SaveJob, lazy: list[CapturedTensor]
-    ) -> list[CapturedTensor]:
-        """Copies the host tensors of ``lazy`` at the call, as far as the cache has room now.
-
-        Returns what is left to the background copies (device tensors, and what did not fit:
-        waiting for space here would block the call behind earlier saves' flushes).
-        """
-        host = [cap for cap in lazy if cap.nbytes and cap.source.device.type == "cpu"]
+    def _capture_now_busy(self, job: SaveJob, batch: _Batch) -> None:
+        """Copies the host tensors left to the background copies at the call instead, as far
+        as the cache has room now (waiting for space would block the call behind earlier saves'
+        flushes); device tensors and what does not fit stay lazy."""
+        pending = {id(cap) for cap in batch.lazy}
+        host = [
+            cap for cap in batch.caps
+            if cap.nbytes and not cap.at_call and (cap.lazy or id(cap) in pending)
+            and cap.source.device.type == "cpu"
+        ]
         if not host:
-            return lazy
+            return
         taken = self._engine.capture_now_many(job.engine_job, [cap.entry for cap in host])
-        took: set[int] = set()
         for cap, ok in zip(host, taken, strict=True):
-            if ok:
-                cap.lazy = False
-                cap.at_call = True
-                cap.source = _RELEASED
-                took.add(id(cap))
-                job.busy_bytes += cap.nbytes
-        return [cap for cap in lazy if id(cap) not in took]
+            if not ok:
+                continue
+            if cap.lazy:  # counted as lazy by the walk (_walk_dict_fast) or by _make_lazy
+                job.lazy_bytes -= cap.nbytes
+            cap.lazy = False
+            cap.at_call = True
+            cap.source = _RELEASED  # the cache holds it; the caller may change it now
+            job.busy_bytes += cap.nbytes
+        # Only owners with a tensor still lazy make their step() wait for this save.
+        job.lazy_owners = {cap.owner for cap in batch.caps if cap.lazy}
 
     def _make_lazy(self, job: SaveJob, cap: CapturedTensor) -> None:
         if cap.nbytes == 0:

@@ -503,6 +503,7 @@ class JobTable:
             copy_busy_s=float(st["copy_busy_s"]),
             stall_s=job.stall_s,
             lazy_bytes=job.lazy_bytes,
+            busy_bytes=job.busy_bytes,
             early_tensors=len(job.early.placed) if job.early is not None else 0,
             flush_busy_s=float(st["flush_busy_s"]),
             flush_writes=int(st.get("flush_writes", 0)),

@@ -33,6 +33,8 @@ class SaveStats:
         stall_s: part of ``stage_s`` spent waiting for host cache space (the cache was full
             of earlier saves' data and this save's state had to be taken at the call).
         lazy_bytes: bytes left to background copies (the rest was copied at the call).
+        busy_bytes: bytes the capture policy would have copied in the background but the call
+            copied, because other processes kept every core busy (``adapt_to_load``).
         early_tensors: tensors placed (and flushing) before DCP planned the save, in unnamed
             files named only under the path claim (``dcp_datastates.early``; 0: placed in
             ``write_data``).
@@ -58,6 +60,7 @@ class SaveStats:
     error: str | None = None
     stall_s: float = 0.0
     lazy_bytes: int = 0
+    busy_bytes: int = 0
     early_tensors: int = 0
     flush_writes: int = 0
     committed_s: float = float("nan")
