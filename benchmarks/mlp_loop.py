@@ -140,8 +140,8 @@ def _host_cache_bytes(spec: MLPRunSpec, nbytes: int, ntensors: int) -> int:
 
 def run_once(spec: MLPRunSpec) -> dict[str, Any]:
     """One run of ``spec`` in this process; returns its JSON-able measurements."""
-    from benchmarks.contention import thread_cpu_seconds
     from benchmarks.contenders import SaveContext, SaveRecord, make_contender
+    from benchmarks.contention import thread_cpu_seconds
     from benchmarks.metrics import now, release_memory, rss_bytes, vmhwm_bytes
     from benchmarks.scenarios import finish_saves, teardown_quietly
     from benchmarks.verify import compare_trees, empty_like_tree

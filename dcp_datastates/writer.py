@@ -93,8 +93,8 @@ from .capture import SaveJob, Stager
 from .checkpoints import RetentionPolicy
 from .commit import METADATA_FILE, CheckpointDir
 from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
-from .cpuload import CpuMeter
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
+from .cpuload import CpuMeter
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
 from .errors import CheckpointSaveError, reraisable

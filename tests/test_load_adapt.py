@@ -99,9 +99,10 @@ def test_busy_capture_left_to_the_copies_when_the_cache_is_full(
     wait behind that flush; what does not fit now stays lazy, and both saves are exact."""
     model, opt = _model_and_opt()
     nbytes = sum(p.numel() * 4 for p in model.parameters())  # one copy of the parameters
-    w: DataStatesWriter = writer_factory(host_cache_size=f"{int(nbytes * 3.5)}B", chunk_size="64KiB")
+    cache = f"{int(nbytes * 3.5)}B"
+    w: DataStatesWriter = writer_factory(host_cache_size=cache, chunk_size="64KiB")
     w._stager._meter = FixedMeter(BUSY)
-    w.engine.set_delays(0, 100_000, seed=1)  # slow flushes keep the first save's cache space held
+    w.engine.set_delays(0, 100_000, seed=1)  # slow flushes: the first save holds its space
     ref1 = _clone(_state(model, opt))
     f1 = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "a"))
     _step(model, opt)
