@@ -392,3 +392,44 @@ def test_tensor_changed_before_its_lazy_copy_fails_the_save(
     out = {"weights": torch.zeros(50_000)}
     dcp.load(out, checkpoint_id=path)
     assert bool((out["weights"] == 1).all())
+
+
+def _two_rank_body(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    full = {"rows": torch.randn(5, 64, generator=g), "plain": torch.zeros(4096)}
+    sd: dict[str, Any] = {
+        "rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+        "plain": full["plain"].clone(),  # on every rank: deduplicated by DCP's planner
+        "meta": {"step": 3},
+    }
+    pg = dist.new_group(backend="gloo")
+    w = DataStatesWriter(root, "1MiB", chunk_size="16KiB", _extensions=[ZStandard()])
+    dcp.save(sd, storage_writer=w, checkpoint_id=f"{root}/sync", process_group=pg)
+    dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{root}/async",
+                   process_group=pg).result(timeout=60)
+    w.close()
+    dist.barrier()
+    for name in ("sync", "async"):
+        dest = {
+            "rows": distribute_tensor(torch.zeros(5, 64), mesh, [Replicate()]),
+            "plain": torch.ones(4096),
+            "meta": {"step": 0},
+        }
+        dcp.load(dest, storage_reader=FileSystemReader(f"{root}/{name}"), process_group=pg)
+        assert torch.equal(dest["rows"].full_tensor(), full["rows"]), name
+        assert torch.equal(dest["plain"], full["plain"]) and dest["meta"]["step"] == 3
+        if rank == 0:
+            rep = verify_checkpoint(f"{root}/{name}")
+            assert rep.fully_verified and rep.ranks == 2, rep.summary()
+    dist.barrier()
+
+
+def test_two_ranks_sync_and_async(tmp_path: Any) -> None:
+    from dist_utils import run_ranks
+
+    run_ranks(_two_rank_body, str(tmp_path / "ckpt"), tmp_path=tmp_path, timeout_s=180)
