@@ -433,3 +433,18 @@ def test_two_ranks_sync_and_async(tmp_path: Any) -> None:
     from dist_utils import run_ranks
 
     run_ranks(_two_rank_body, str(tmp_path / "ckpt"), tmp_path=tmp_path, timeout_s=180)
+
+
+def test_verify_compares_transforms_with_metadata(tmp_path: Any, writer_factory: Any) -> None:
+    """A .metadata that no longer records the transforms (the stock reader would then read
+    compressed bytes as an archive) is damage, named."""
+    path = str(tmp_path / "c")
+    dcp.save({"t": torch.ones(100)}, storage_writer=writer_factory(_extensions=[ZStandard()]),
+             checkpoint_id=path)
+    md = metadata(path)
+    for info in md.storage_data.values():
+        info.transform_descriptors = None
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    rep = verify_checkpoint(path)
+    assert any("'t'" in p and "transforms None" in p for p in rep.problems), rep.summary()
