@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import _core
 from .capture import wait_written
 from .commit import manifest_name
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, reraisable
 from .fsspec_sink import ObjectWriter, open_object
 from .gcpause import gc_paused
 from .layout import data_file_name
@@ -151,7 +151,7 @@ class _StoredFile:
         self.crc = _core.crc32c(view, self.crc)
         self.pos += n
         if self._obj is not None:
-            self._obj.write(bytes(view))
+            self._obj.write(view)  # copied (or written) before it returns
             return n
         self._buf += view
         if len(self._buf) >= _FILE_BUFFER_BYTES:
@@ -376,7 +376,7 @@ def _write_all(
             out.abort()
         err, cause = state["error"]
         if isinstance(job.error, CheckpointSaveError):  # failed elsewhere first: that is the cause
-            raise job.error from cause
+            raise reraisable(job.error) from cause
         raise err from cause
 
 
