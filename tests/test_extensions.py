@@ -448,3 +448,21 @@ def test_verify_compares_transforms_with_metadata(tmp_path: Any, writer_factory:
         pickle.dump(md, f)
     rep = verify_checkpoint(path)
     assert any("'t'" in p and "transforms None" in p for p in rep.problems), rep.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_cuda_tensors_compressed(tmp_path: Any, writer_factory: Any, mode: str) -> None:
+    """CUDA state: copied into the host cache by the engine's streams, then compressed."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sd = {"w": torch.randn(512, 256, device="cuda", generator=g),
+          "z": torch.zeros(4096, device="cuda", dtype=torch.bfloat16), "step": 3}
+    w = writer_factory(_extensions=[ZStandard()], host_cache_size="256KiB", chunk_size="64KiB")
+    path = str(tmp_path / "c")
+    save(w, sd, path, mode)
+    want = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    out = zeros_like_state(want)
+    dcp.load(out, storage_reader=FileSystemReader(path))
+    assert_state_equal(want, out)
+    assert verify_checkpoint(path).fully_verified
