@@ -228,7 +228,7 @@ def test_custom_extension_through_its_registry(
     path = str(tmp_path / "ckpt")
     dcp.save(sd, storage_writer=w, checkpoint_id=path)
     data_files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    assert len(data_files) == files
+    assert 1 <= len(data_files) <= files  # a thread that took no item makes no file
     raw = b"".join(open(os.path.join(path, n), "rb").read() for n in data_files)
     assert b"SomeBlobForTesting" not in raw  # transformed on disk
     assert XorMask()._xor(b"SomeBlobForTesting") in raw
