@@ -208,6 +208,12 @@ def _plan(
             if info is None:
                 raise ExportError(f"{where}: not in {METADATA_FILE}'s storage_data")
             rel = str(info.relative_path)
+            if getattr(info, "transform_descriptors", None):
+                raise ExportError(
+                    f"{where} ({rel}): stored through the transforms "
+                    f"{list(info.transform_descriptors)} (_extensions), which export does not "
+                    "undo; load it with dcp.load and save it again without _extensions"
+                )
             if os.path.basename(rel) != rel or rel in ("", ".", ".."):
                 raise ExportError(f"{where}: {METADATA_FILE} names the file {rel!r}")
             nbytes = math.prod(sizes) * src.itemsize

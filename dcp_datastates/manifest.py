@@ -17,6 +17,7 @@ from .gcpause import gc_paused
 
 MANIFEST_VERSION = 1
 MANIFEST_VERSION_REFS = 2  # a manifest with references to other checkpoints (incremental saves)
+MANIFEST_VERSION_TRANSFORMS = 3  # a manifest with transformed items (``_extensions``)
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 _quote = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # what _ENCODER uses
 
@@ -38,6 +39,14 @@ class ItemRecord:
     # Incremental saves: the sibling checkpoint directory that holds the bytes (``file`` and the
     # offsets are in it; ``.metadata`` records ``../<ref>/<file>``). None: in this checkpoint.
     ref: str | None = None
+    # Items written through stream transforms (``_extensions``, dcp_datastates.extensions): the
+    # descriptors ``.metadata`` records, outermost first. ``archive_offset``/``archive_length``
+    # are then the stored (transformed) bytes, ``chunks`` their CRC-32C, and ``decoded_bytes``/
+    # ``decoded_crc`` the length and CRC-32C of what undoing the transforms gives (the torch.save
+    # archive, or the raw bytes). None: stored as it is.
+    transform: list[str] | None = None
+    decoded_bytes: int = 0
+    decoded_crc: int = 0
 
 
 @dataclass
@@ -63,7 +72,9 @@ class RankManifest:
             raise ValueError(f"not valid JSON: {e}") from e
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-        if raw.get("version") not in (MANIFEST_VERSION, MANIFEST_VERSION_REFS):
+        if raw.get("version") not in (
+            MANIFEST_VERSION, MANIFEST_VERSION_REFS, MANIFEST_VERSION_TRANSFORMS
+        ):
             raise ValueError(f"unsupported manifest version {raw.get('version')!r}")
         rank = _field(raw, "rank", int)
         checksums = _field(raw, "checksums", bool)
@@ -94,6 +105,7 @@ def encode_manifest(
     head = encode({"rank": rank, "checksums": checksums, "save_id": save_id})
     yield (head[:-1] + ',"items":[').encode()
     has_refs = False
+    has_transforms = False
     first = True
     it = iter(items)
     while True:
@@ -103,12 +115,16 @@ def encode_manifest(
                 parts.append(_item_json(rec))
                 if rec.ref is not None:
                     has_refs = True
+                if rec.transform is not None:
+                    has_transforms = True
             if not parts:
                 break
             piece = ",".join(parts)
         yield (piece if first else "," + piece).encode()
         first = False
     final = MANIFEST_VERSION_REFS if has_refs else version
+    if has_transforms:
+        final = MANIFEST_VERSION_TRANSFORMS
     yield ('],"version":' + encode(final) + "}").encode()
 
 
@@ -122,6 +138,11 @@ def _item_json(rec: ItemRecord) -> str:
     offset = "null" if rec.offset is None else _ints_json(rec.offset)
     chunks = ",".join([f"[{int(o)},{int(n)},{int(c)}]" for o, n, c in rec.chunks])
     ref = "" if rec.ref is None else ',"ref":' + _quote(rec.ref)
+    if rec.transform is not None:
+        ref += (
+            ',"transform":[' + ",".join([_quote(t) for t in rec.transform]) + "]"
+            f',"decoded_bytes":{int(rec.decoded_bytes)},"decoded_crc":{int(rec.decoded_crc)}'
+        )
     return (
         f'{{"fqn":{_quote(rec.fqn)},"offset":{offset},"file":{_quote(rec.file)},'
         f'"archive_offset":{int(rec.archive_offset)},"archive_length":{int(rec.archive_length)},'
@@ -161,6 +182,8 @@ def _item(it: Any, i: int) -> ItemRecord:
             get("fqn"), get("file"), get("dtype"), get("shape"), get("chunks")
         )
         offset, ref = get("offset"), get("ref")
+        if get("transform") is not None:
+            return _item_checked(it, i)  # transformed items: few, checked field by field
         ints = (get("archive_offset"), get("archive_length"), get("payload_offset"),
                 get("payload_bytes"))
         if (
@@ -212,8 +235,19 @@ def _item_checked(it: Any, i: int) -> ItemRecord:
     ref = it.get("ref")
     if ref is not None and not isinstance(ref, str):
         raise ValueError(f"{where}field 'ref' is not a str: {ref!r:.80}")
+    transform = it.get("transform")
+    decoded = {"decoded_bytes": 0, "decoded_crc": 0}
+    if transform is not None:
+        if not isinstance(transform, list) or not all(isinstance(t, str) for t in transform):
+            raise ValueError(f"{where}field 'transform' is not a list of str: {transform!r:.80}")
+        for name in decoded:
+            decoded[name] = _field(it, name, int, where)
+            if decoded[name] < 0:
+                raise ValueError(f"{where}field '{name}' is negative")
     return ItemRecord(
         ref=ref,
+        transform=None if transform is None else list(transform),
+        **decoded,
         fqn=fqn,
         offset=None if offset is None else _ints(offset, f"{where}'offset'"),
         file=_field(it, "file", str, where),

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -40,6 +41,7 @@ from .contexts import SaveContext
 from .early import EarlyPlacement, place_early
 from .engine import Engine
 from .errors import CheckpointSaveError, reraisable
+from .extensions import write_transformed
 from .fsspec_sink import SinkItem, write_sequential
 from .gcpause import gc_paused
 from .incremental import StageInfo, Tracker
@@ -106,12 +108,14 @@ class Placer:
         stager: Stager,
         config: WriterConfig,
         incremental: Tracker | None = None,
+        extensions: tuple[StreamTransformExtension, ...] = (),
     ) -> None:
         self._engine = engine
         self._templates = templates
         self._stager = stager
         self.config = config
         self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
+        self._extensions = extensions  # stream transforms (dcp_datastates.extensions)
 
     def early_applies(self, job: SaveJob) -> bool:
         """Whether :meth:`place_early` would place ``job`` (the conditions of
@@ -122,6 +126,7 @@ class Placer:
             or job.error is not None
             or self.config.format != "torch"
             or self._incremental is not None
+            or bool(self._extensions)
         )
 
     def place_early(self, ctx: SaveContext, job: SaveJob) -> None:
@@ -168,6 +173,9 @@ class Placer:
         The caller must call exactly one of ``complete()`` (in the save thread) or ``abandon()``
         (which only lets go of what the save holds, from any thread: the writer fails the job).
         """
+        if self._extensions:  # written through the stream transforms (their own module)
+            results, complete = write_transformed(self, ctx, job, plan, planner, self._extensions)
+            return results, PendingWrite(complete)
         if self.config.format == "safetensors":  # the safetensors layout (its own module)
             return write_safetensors(self, ctx, job, plan, planner), PendingWrite(None)
         if self._incremental is None:

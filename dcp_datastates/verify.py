@@ -16,7 +16,11 @@
 - file names in the manifests and ``.metadata`` must be plain names inside the checkpoint, or,
   for an incremental save's references, ``../<sibling checkpoint>/<file>``: those bytes are
   checked in the owner checkpoint against the CRC-32C the referring manifest recorded, and a
-  missing owner is reported naming it.
+  missing owner is reported naming it;
+- items written through stream transforms (``_extensions``): the stored bytes against their
+  CRC-32C, then, decoded as the stock reader decodes them (torch's default extension registry),
+  the decoded length, CRC-32C and archive header and trailer; an extension that registry does not
+  know leaves the decoded content unverified.
 
 Every problem is reported, naming the tensor, the rank and the file; nothing raises for damaged
 input (``raise_on_error`` turns problems into one IntegrityError). What could not be verified
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
 try:
     from . import _core
@@ -54,6 +59,7 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
 
 from .commit import INCOMPLETE_MARKER, MANIFEST_PREFIX, METADATA_FILE, CheckpointDir
 from .errors import IntegrityError
+from .extensions import stored_reader
 from .incremental import is_reference_path, relative_path
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
@@ -192,6 +198,13 @@ def load_metadata(raw: bytes) -> Any:
     if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
         raise ValueError("state_dict_metadata or storage_data is not a dict")
     return md
+
+
+def _descriptors_ok(value: object) -> bool:
+    """``_StorageInfo.transform_descriptors``: absent, or a sequence of strings."""
+    if value is None:
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
 
 
 def plain_name(name: object) -> bool:
@@ -338,8 +351,11 @@ class _Verifier:
                 )
             elif not (isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0):
                 self.problem(f"'{fqn}': {METADATA_FILE} has a bad location ({o!r}, {n!r})")
-            elif getattr(info, "transform_descriptors", None):
-                self.problem(f"'{fqn}': {METADATA_FILE} asks for transforms the writer never uses")
+            elif not _descriptors_ok(getattr(info, "transform_descriptors", None)):
+                self.problem(
+                    f"'{fqn}': {METADATA_FILE} has malformed transform descriptors "
+                    f"{info.transform_descriptors!r:.80}"
+                )
             storage[key] = info
         return storage
 
@@ -416,6 +432,12 @@ class _Verifier:
                     f"{where} (rank {man.rank}): {METADATA_FILE} says ({info.relative_path!r}, "
                     f"{info.offset!r}, {info.length!r}), the manifest ({relative_path(it)!r}, "
                     f"{it.archive_offset}, {it.archive_length})"
+                )
+            transform = list(getattr(info, "transform_descriptors", None) or ()) or None
+            if transform != it.transform:
+                self.problem(
+                    f"{where} (rank {man.rank}): {METADATA_FILE} records the transforms "
+                    f"{transform}, the manifest {it.transform}"
                 )
         for key, (man, it) in by_key.items():
             if key not in storage:
@@ -539,6 +561,10 @@ class _Verifier:
             if size < end:
                 self.problem(f"{where}: data file is truncated ({size} bytes, item ends at {end})")
                 continue
+            if it.transform is not None:  # _extensions: stored bytes, then decoded ones
+                self._check_chunks(f, it, where, it.archive_offset, it.archive_length)
+                self._check_decoded(f, it, where)
+                continue
             if it.dtype == "bytes":
                 self._check_chunks(f, it, where, it.archive_offset, it.archive_length)
                 continue
@@ -599,6 +625,74 @@ class _Verifier:
                     f"{where}: checksum mismatch in bytes [{off}, {off + nbytes}) "
                     f"(expected crc32c {crc:08x}, found {got:08x})"
                 )
+
+    def _check_decoded(self, f: BinaryIO, it: ItemRecord, where: str) -> None:
+        """A transformed item (``_extensions``): undoes its transforms as the stock reader does
+        (torch's default extension registry) and checks the decoded length and CRC-32C and, for
+        a tensor, the archive header and trailer. An extension the registry does not know
+        leaves the item unverified (its stored bytes were checked against their CRC-32C)."""
+        assert it.transform is not None
+        try:
+            exts = ExtensionRegistry().from_descriptor_list(it.transform)
+        except Exception as e:  # noqa: BLE001 - any refusal means: cannot decode here
+            self.rep.unverified.append(
+                f"{where}: stored bytes match their CRC-32C, but the transforms {it.transform} "
+                f"cannot be undone here ({type(e).__name__}: {e}), so the decoded content was "
+                "not checked"
+            )
+            return
+        tmpl = None
+        if it.dtype != "bytes":
+            dtype = _dtype_of(it.dtype)
+            if dtype is None:
+                self.problem(f"{where}: unknown dtype {it.dtype!r} in the manifest")
+                return
+            if _numel(tuple(it.shape)) * dtype.itemsize != it.payload_bytes:
+                self.problem(
+                    f"{where}: the manifest's {it.dtype}{it.shape} does not hold "
+                    f"{it.payload_bytes} payload bytes"
+                )
+                return
+            tmpl = _TEMPLATES.get(dtype, tuple(it.shape))
+        head_want = tmpl.prefix if tmpl is not None else b""
+        tail_len = len(tmpl.suffix) if tmpl is not None else 0
+        head = bytearray()
+        tail = b""
+        crc, n = 0, 0
+        try:
+            stream: Any = stored_reader(f, it.archive_offset, it.archive_length)
+            for ex in exts:
+                if isinstance(ex, StreamTransformExtension):
+                    stream = ex.transform_from(stream)
+            while True:
+                block = stream.read(_READ_BLOCK)
+                if not block:
+                    break
+                crc = _core.crc32c(block, crc)
+                n += len(block)
+                if len(head) < len(head_want):
+                    head += block[: len(head_want) - len(head)]
+                if tail_len:
+                    tail = (tail + bytes(block))[-tail_len:]
+        except Exception as e:  # noqa: BLE001 - damaged stored bytes fail to decode
+            self.problem(
+                f"{where}: the stored bytes cannot be decoded through {it.transform}: "
+                f"{type(e).__name__}: {e}"
+            )
+            return
+        self.rep.bytes_checked += n
+        if n != it.decoded_bytes or crc != it.decoded_crc:
+            self.problem(
+                f"{where}: decoded through {it.transform}, it is {n} bytes with crc32c "
+                f"{crc:08x}; the manifest recorded {it.decoded_bytes} bytes, {it.decoded_crc:08x}"
+            )
+        elif tmpl is not None and (
+            n != tmpl.total_bytes or bytes(head) != tmpl.prefix or tail != tmpl.suffix
+        ):
+            self.problem(
+                f"{where}: decoded, it is not a torch.save archive of {it.dtype}{it.shape} as "
+                f"the installed torch {torch.__version__} lays it out"
+            )
 
     def _check_archive(self, f: BinaryIO, it: ItemRecord, where: str) -> bool:
         """Compares the archive header and trailer with the installed torch's template."""

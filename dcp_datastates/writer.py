@@ -78,10 +78,12 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -98,6 +100,7 @@ from .cpuload import CpuMeter
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
 from .errors import CheckpointSaveError, reraisable
+from .extensions import check_extensions
 from .gcpause import gc_paused
 from .incremental import IncrementalMode, Tracker, parse_mode
 from .jobs import (
@@ -234,6 +237,10 @@ class DataStatesWriter(StorageWriter):
             each promotion: an int or a ``RetentionPolicy``; a checkpoint is deleted only once
             it is on the persistent tier (never one in flight or whose copy failed); None
             (default) keeps everything. Both need ``persist_to``.
+        _extensions: stream transforms applied to every item, as ``FileSystemWriter``'s keyword
+            of the same name (experimental in DCP): e.g. ``[ZStandard()]``; the stock reader
+            undoes them. Transformed items are written by the save thread from the host cache
+            (:mod:`dcp_datastates.extensions`); the torch format only, not incremental.
 
     Lifetime: the engine (host cache and threads) is freed by :meth:`close`, or when the writer
     is garbage-collected. A forked child cannot use a parent's writer (see the module docstring).
@@ -273,6 +280,7 @@ class DataStatesWriter(StorageWriter):
         persist_timeout: float = 600.0,
         persist_retention: RetentionPolicy | int | None = None,
         fast_retention: RetentionPolicy | int | None = None,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -309,6 +317,12 @@ class DataStatesWriter(StorageWriter):
                 "cannot point at another checkpoint's bytes"
             )
         self._incremental = Tracker(mode, self.config.checksums) if mode != "off" else None
+        self._extensions = check_extensions(_extensions)  # dcp_datastates.extensions
+        if self._extensions and (self.config.format != "torch" or mode != "off"):
+            raise ValueError(
+                "_extensions needs format='torch' and incremental=False: a transformed item can "
+                "be neither a safetensors tensor nor referenced by a later incremental save"
+            )
         self._promoter: Promoter | None = None
         if persist_to is not None:  # multi-level flush (dcp_datastates.tiers)
             if mode != "off":
@@ -342,7 +356,8 @@ class DataStatesWriter(StorageWriter):
         )
         self._templates = TemplateCache()
         self._placer = Placer(
-            self._engine, self._templates, self._stager, self.config, self._incremental
+            self._engine, self._templates, self._stager, self.config, self._incremental,
+            self._extensions,
         )
         self._table = JobTable(self._engine)  # jobs in flight, their order, failures, stats
         # async_save results (Metadata) freed on a save thread, not the caller's (release.py)

@@ -348,3 +348,26 @@ def test_small_tensors_runs_every_shape(tmp_path: Path) -> None:
     owned = next(x for x in res["results"]
                  if x["contender"] == "datastates" and x["shape"] == "owned")
     assert owned["barrier_s"] >= 0 and owned["blocked_s"] > 0
+
+
+def test_extensions_benchmark_quick(tmp_path: Path) -> None:
+    """benchmarks.extensions, tiny: every contender saves through ZStandard (or, for the
+    reference, without), writes a fraction of the state's bytes, and loads back bit-exactly
+    with the stock reader."""
+    pytest.importorskip("zstandard")
+    out = tmp_path / "ext.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "extensions.py"), "--mb", "2",
+         "--repeats", "1", "--out", str(out), "--dir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,  # the installed package
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = _strict_json(out)
+    by = {x["contender"]: x for x in res["results"]}
+    assert set(by) == {"fs_zstd", "fs_zstd_t2", "fs_zstd_async", "ds_zstd", "ds_zstd_async",
+                       "ds_plain_async"}
+    assert all(x["loads_bit_exact"] for x in by.values())
+    assert by["ds_plain_async"]["median"]["bytes"] >= res["state_bytes"]
+    for name in ("fs_zstd", "ds_zstd", "ds_zstd_async"):
+        assert by[name]["ratio"] > 2, (name, by[name])
+        assert by[name]["median"]["durable_s"] >= by[name]["median"]["blocked_s"] > 0
