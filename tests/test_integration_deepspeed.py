@@ -183,3 +183,12 @@ def test_transformers_trainer_resumes_from_our_checkpoint(tmp_path: Path) -> Non
     out = _torchrun(1, "ds_trainer.py", str(tmp_path / "run"))
     assert "CHECK trainer_engine ok" in out
     assert "CHECK trainer_resume ok" in out
+
+
+def test_engine_choice_is_visible_with_default_logging() -> None:
+    # no logging set up in the script: the line must reach stdout/stderr, once (rank 0 only)
+    out = _torchrun(2, "ds_engine_log.py", timeout=180)
+    assert out.count("BUILT") == 2
+    lines = [ln for ln in out.splitlines() if "'datastates_ckpt' is served by dcp_datastates" in ln]
+    assert len(lines) == 1, out[-4000:]
+    assert "[Rank 0]" in lines[0] and "DataStates-LLM" in lines[0]
