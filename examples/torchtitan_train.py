@@ -18,7 +18,7 @@ Run (one process; it resumes from the newest checkpoint in ``--dump-folder`` if 
 
 Command-line overrides are parsed by ``tyro`` with torchtitan's rules, as torchtitan's
 ``ConfigManager`` does (``--checkpoint.interval 3``, ``--checkpoint.async-mode disabled``,
-``--checkpoint.datastates '{"host_cache_size": "256MiB"}'``...). The last line printed is
+``--checkpoint.datastates.host-cache-size 256MiB``, ``--help``). The last line printed is
 ``final step=N param_hash=H`` (a hash of the weights and the optimizer state).
 """
 
