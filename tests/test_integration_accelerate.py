@@ -226,3 +226,5 @@ def test_fsdp_inactive_reason_names_the_missing_plugin(monkeypatch: pytest.Monke
     reason = ds_acc.fsdp_inactive_reason(plain)
     assert reason is not None and "no FSDP plugin was given" in reason
     assert "DistributedType.MULTI_CPU" in reason
+    reason = ds_acc.fsdp_inactive_reason({"distributed_type": DistributedType.DEEPSPEED})
+    assert reason is not None and "dcp_datastates.integrations.deepspeed" in reason

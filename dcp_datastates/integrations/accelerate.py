@@ -207,7 +207,12 @@ def fsdp_inactive_reason(state: Any) -> str | None:
     dist_type = get("distributed_type", None)
     if dist_type == DistributedType.FSDP and get("fsdp_plugin", None) is not None:
         return None
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if dist_type == DistributedType.DEEPSPEED:
+        why = (
+            "Accelerate runs DeepSpeed, whose saves go through DeepSpeed's checkpoint engine "
+            "(import dcp_datastates.integrations.deepspeed and use the 'datastates_ckpt' key)"
+        )
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         why = (
             "an FSDP plugin was given (ACCELERATE_USE_FSDP=true) but Accelerate did not activate "
             "it: Accelerate uses FSDP only with several processes on a GPU-family device "
@@ -221,8 +226,8 @@ def fsdp_inactive_reason(state: Any) -> str | None:
     return (
         f"Accelerate's FSDP is not active: AcceleratorState.distributed_type is {dist_type}, "
         f"not DistributedType.FSDP, and AcceleratorState has no fsdp_plugin; {why}. "
-        "Accelerator.save_state therefore does Accelerate's plain save (model.safetensors, "
-        "optimizer.bin) and dcp_datastates.integrations.accelerate does NOT write it: "
+        "Accelerator.save_state therefore does not call Accelerate's FSDP save functions "
+        "and dcp_datastates.integrations.accelerate does NOT write its checkpoint: "
         "it routes FSDP saves only"
     )
 
