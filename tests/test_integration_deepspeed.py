@@ -3,8 +3,9 @@
 In-process: the archive planner against ``torch.load`` (weights_only True and False), the
 engine on its own (no DeepSpeed engine, one process): durable files, ``latest``, failures.
 Subprocesses (torchrun, CPU, gloo, the shm op's JIT build skipped): ZeRO-1 and ZeRO-2 on 1 and
-2 ranks (tests/integration/ds_train.py) and the Transformers Trainer resuming
-(tests/integration/ds_trainer.py).
+2 ranks (tests/integration/ds_train.py), the Transformers Trainer resuming
+(tests/integration/ds_trainer.py), and the engine-choice line with DeepSpeed's default logging
+(tests/integration/ds_engine_log.py).
 """
 
 from __future__ import annotations
