@@ -1,8 +1,10 @@
 """Accelerate FSDP saves through DataStatesWriter (issue 11, item 4).
 
-Accelerate refuses FSDP on CPU as a whole, so two gloo ranks build a CPU FSDP2 model and call
+Accelerate ignores its FSDP plugin on CPU, so two gloo ranks build a CPU FSDP2 model and call
 Accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` (through the names Accelerator and
-Trainer use) and its ``load_fsdp_model``/``load_fsdp_optimizer`` to read back.
+Trainer use) and its ``load_fsdp_model``/``load_fsdp_optimizer`` to read back. A real CPU
+``Accelerator`` with an FSDP plugin shows that ignoring: the route then warns, at ``enable()``
+or at the first ``save_state``.
 """
 
 from __future__ import annotations
