@@ -1,14 +1,17 @@
 """Accelerate FSDP saves through DataStatesWriter (issue 11, item 4).
 
-Accelerate refuses FSDP on CPU as a whole, so two gloo ranks build a CPU FSDP2 model and call
+Accelerate ignores its FSDP plugin on CPU, so two gloo ranks build a CPU FSDP2 model and call
 Accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` (through the names Accelerator and
-Trainer use) and its ``load_fsdp_model``/``load_fsdp_optimizer`` to read back.
+Trainer use) and its ``load_fsdp_model``/``load_fsdp_optimizer`` to read back. A real CPU
+``Accelerator`` with an FSDP plugin shows that ignoring: the route then warns, at ``enable()``
+or at the first ``save_state``.
 """
 
 from __future__ import annotations
 
 import os
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +139,94 @@ def test_other_threads_still_get_a_real_filesystem_writer(tmp_path: Path) -> Non
             t.join(30)
         assert dist_cp.FileSystemWriter is ds_acc.FileSystemWriter
     assert type(seen[0]) is ds_acc.FileSystemWriter
+
+
+# -- Accelerate without active FSDP (CPU): the route cannot apply, and says so -----------------
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A process-wide Accelerate state for this test only (Accelerator is a singleton)."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # restored (unset) afterwards
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _cpu_accelerator_with_fsdp_plugin() -> Any:
+    """What docs/integrations.md's Accelerate route builds, on a CPU-only machine."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = torch.nn.Linear(4, 2)
+    acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    return acc
+
+
+def _ours(records: Any) -> list[warnings.WarningMessage]:
+    return [
+        r for r in records
+        if issubclass(r.category, RuntimeWarning) and "dcp_datastates" in str(r.message)
+    ]
+
+
+def test_enable_warns_when_the_accelerator_ignores_its_fsdp_plugin(
+    tmp_path: Path, fresh_accelerate: Any
+) -> None:
+    acc = _cpu_accelerator_with_fsdp_plugin()
+    with pytest.warns(RuntimeWarning) as rec:
+        handle = ds_acc.enable(host_cache_size="8MiB", idle_priority=False)
+    try:
+        [w] = _ours(rec)
+        msg = str(w.message)
+        assert "(enable())" in msg and w.filename == __file__  # points at the enable() call
+        assert "distributed_type is DistributedType.NO" in msg
+        assert "no fsdp_plugin" in msg and "ignores the plugin on CPU" in msg
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            acc.save_state(str(tmp_path / "s"))
+        assert not _ours(again)  # said once, at enable()
+        # what the warning says happened: Accelerate's plain save, not through our writer
+        assert handle.writer.save_stats() == []
+        assert (tmp_path / "s" / "model.safetensors").exists()
+    finally:
+        handle.disable()
+
+
+def test_save_state_warns_when_enable_came_before_the_accelerator(
+    tmp_path: Path, fresh_accelerate: Any
+) -> None:
+    with warnings.catch_warnings(record=True) as at_enable:
+        warnings.simplefilter("always")
+        handle = ds_acc.enable(host_cache_size="8MiB", idle_priority=False)
+    try:
+        assert not _ours(at_enable)  # no Accelerator yet: nothing to judge
+        acc = _cpu_accelerator_with_fsdp_plugin()
+        with pytest.warns(RuntimeWarning) as rec:
+            acc.save_state(str(tmp_path / "s"))
+        [w] = _ours(rec)
+        assert "(Accelerator.save_state)" in str(w.message) and w.filename == __file__
+        assert "not DistributedType.FSDP" in str(w.message)
+        assert handle.writer.save_stats() == []
+    finally:
+        handle.disable()
+    from accelerate import Accelerator
+
+    assert not hasattr(Accelerator.save_state, "__wrapped__")  # disable() restored it
+
+
+def test_fsdp_inactive_reason_names_the_missing_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    active = types.SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=object())
+    assert ds_acc.fsdp_inactive_reason(active) is None
+    plain = {"distributed_type": DistributedType.MULTI_CPU}
+    reason = ds_acc.fsdp_inactive_reason(plain)
+    assert reason is not None and "no FSDP plugin was given" in reason
+    assert "DistributedType.MULTI_CPU" in reason
+    reason = ds_acc.fsdp_inactive_reason({"distributed_type": DistributedType.DEEPSPEED})
+    assert reason is not None and "dcp_datastates.integrations.deepspeed" in reason

@@ -3,8 +3,9 @@
 In-process: the archive planner against ``torch.load`` (weights_only True and False), the
 engine on its own (no DeepSpeed engine, one process): durable files, ``latest``, failures.
 Subprocesses (torchrun, CPU, gloo, the shm op's JIT build skipped): ZeRO-1 and ZeRO-2 on 1 and
-2 ranks (tests/integration/ds_train.py) and the Transformers Trainer resuming
-(tests/integration/ds_trainer.py).
+2 ranks (tests/integration/ds_train.py), the Transformers Trainer resuming
+(tests/integration/ds_trainer.py), and the engine-choice line with DeepSpeed's default logging
+(tests/integration/ds_engine_log.py).
 """
 
 from __future__ import annotations
@@ -183,3 +184,12 @@ def test_transformers_trainer_resumes_from_our_checkpoint(tmp_path: Path) -> Non
     out = _torchrun(1, "ds_trainer.py", str(tmp_path / "run"))
     assert "CHECK trainer_engine ok" in out
     assert "CHECK trainer_resume ok" in out
+
+
+def test_engine_choice_is_visible_with_default_logging() -> None:
+    # no logging set up in the script: the line must reach stdout/stderr, once (rank 0 only)
+    out = _torchrun(2, "ds_engine_log.py", timeout=180)
+    assert out.count("BUILT") == 2
+    lines = [ln for ln in out.splitlines() if "'datastates_ckpt' is served by dcp_datastates" in ln]
+    assert len(lines) == 1, out[-4000:]
+    assert "[Rank 0]" in lines[0] and "DataStates-LLM" in lines[0]

@@ -5,6 +5,8 @@ Nanotron needs CUDA, so the adapter is tested against the interface: the engine 
 save call while the optimizer keeps stepping), and :func:`install` against a stand-in of the
 fork's ``nanotron.serialize.engine`` module in a subprocess (its abstract base class and the
 engine table the YAML key ``checkpointing_engine: datastates`` selects from).
+``test_with_the_fork_itself`` runs against the fork's own modules where the fork is installed
+(docs/integrations.md says how); CI does not install it (not on a package registry).
 """
 
 from __future__ import annotations
@@ -104,6 +106,26 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         eng.close()
 
 
+def test_engine_declares_the_version_the_fork_records() -> None:
+    # The fork reads CHECKPOINT_VERSION at every save (checkpoint_metadata.json, TensorMetadata of
+    # sharded parameters) and compares it at resume; its own DataStates engine's files are 1.0.
+    from packaging.version import Version
+
+    version = DataStatesNanotronEngine.CHECKPOINT_VERSION
+    assert isinstance(version, Version) and version > Version("1.0")
+
+
+def test_a_file_from_another_engine_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "optimizer.pt"
+    torch.save({"state": {}}, path)  # what the fork's TorchCheckpointEngine writes
+    eng = DataStatesNanotronEngine(CONFIG)
+    try:
+        with pytest.raises(ValueError, match="optimizer.pt.*another Nanotron checkpoint engine"):
+            eng.load_unsafe(path)
+    finally:
+        eng.close()
+
+
 def test_install_against_the_forks_engine_table(tmp_path: Path) -> None:
     # A stand-in for the fork's modules: the engine ABC and the table keyed by the enum.
     pkg = tmp_path / "nanotron"
@@ -120,6 +142,7 @@ def test_install_against_the_forks_engine_table(tmp_path: Path) -> None:
         from abc import ABC, abstractmethod
         from nanotron.config import CheckpointingEngineType
         class CheckpointEngine(ABC):
+            CHECKPOINT_VERSION: "Version"
             def __init__(self, config=None):
                 self.config = config
             @abstractmethod
@@ -151,6 +174,9 @@ def test_install_against_the_forks_engine_table(tmp_path: Path) -> None:
         assert issubclass(cls, engine.CheckpointEngine)
         cfg = {{"host_cache_size": 0.0625, "parser_threads": 1, "pin_host_cache": False}}
         eng = cls(config=cfg)
+        # what the fork's save_meta records and its load_meta compares at resume
+        from packaging.version import Version
+        assert Version(str(eng.CHECKPOINT_VERSION)) <= eng.CHECKPOINT_VERSION
         eng.save({{"data": torch.arange(6.0)}}, {str(tmp_path / "p")!r})
         assert torch.equal(eng.load({str(tmp_path / "p")!r}), torch.arange(6.0))
         eng.close()
@@ -158,3 +184,42 @@ def test_install_against_the_forks_engine_table(tmp_path: Path) -> None:
     ''')
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_with_the_fork_itself(tmp_path: Path) -> None:
+    """Against the fork's own modules, where it is installed (docs/integrations.md, Nanotron)."""
+    engine_mod = pytest.importorskip(
+        "nanotron.serialize.engine",
+        reason="the Nanotron DataStates fork is not installed (see docs/integrations.md)",
+    )
+    import dataclasses
+
+    from nanotron.config import CheckpointingEngineType, DataStatesArgs
+    from nanotron.serialize.metadata import TensorMetadata
+
+    import dcp_datastates.integrations.nanotron as ds_nanotron
+
+    saved = dict(engine_mod._CONFIG_TO_CHECKPOINT_ENGINE_CLASS)
+    ds_nanotron.install()
+    try:
+        # as the fork's DistributedTrainer builds it from the YAML's datastates: block
+        cls = engine_mod.create_checkpoint_engine_class(CheckpointingEngineType.DATASTATES)
+        args = DataStatesArgs(host_cache_size=1, parser_threads=1, pin_host_cache=False)
+        eng = cls(config=dataclasses.asdict(args))
+    finally:
+        engine_mod._CONFIG_TO_CHECKPOINT_ENGINE_CLASS.update(saved)
+    try:
+        assert isinstance(eng, engine_mod.CheckpointEngine)
+        t = torch.randn(4, 3)
+        meta = TensorMetadata(version=eng.CHECKPOINT_VERSION)
+        path = tmp_path / f"model_weight.{eng.TENSOR_SUFFIX}"
+        eng.save({"data": t}, path, metadata=meta)
+        assert torch.equal(eng.load(path, framework="pt", device="cpu"), t)
+        back = TensorMetadata.from_str_dict(eng.load_metadata(path))
+        assert back.version <= eng.CHECKPOINT_VERSION  # the fork's resume check
+        eng.save({"step": 3, "state": {0: {"exp_avg": t}}}, tmp_path / "optimizer.pt")
+        eng.wait()
+        got = eng.load_unsafe(tmp_path / "optimizer.pt", map_location="cpu")
+        assert got["step"] == 3 and torch.equal(got["state"][0]["exp_avg"], t)
+    finally:
+        eng.close()

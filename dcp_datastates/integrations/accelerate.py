@@ -31,6 +31,14 @@ CRC-32C per chunk with a manifest (``python -m dcp_datastates verify DIR``), an 
 with in-progress markers. Not asynchronous: Accelerate has no hook to wait for a save in
 flight, so an asynchronous save here could not be made safe for its ``load_state``.
 
+FSDP must be active in Accelerate. Accelerate uses its FSDP plugin only in multi-process runs
+on a GPU-family device; on CPU (``DistributedType.NO``/``MULTI_CPU``) it ignores the plugin and
+``save_state`` writes its plain files (``model.safetensors``, ``optimizer.bin``), which no
+writer option can reach. So this route does nothing there, and says so: :func:`enable` warns
+(``RuntimeWarning``, naming the ``AcceleratorState`` fields that are missing) if the Accelerator
+already exists without FSDP, and otherwise the first ``Accelerator.save_state`` without FSDP
+warns (``enable`` wraps that method to check; the save itself is Accelerate's, unchanged).
+
 Threads: enable/disable from the main thread, not while a save runs. Fork: the writer belongs
 to the process that called :func:`enable`; call it in each rank's process.
 """
@@ -44,6 +52,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -54,7 +63,7 @@ from dcp_datastates.integrations.config import writer_kwargs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Handle", "datastates_fsdp_saves", "enable"]
+__all__ = ["Handle", "datastates_fsdp_saves", "enable", "fsdp_inactive_reason"]
 
 _NAMES = ("save_fsdp_model", "save_fsdp_optimizer")
 _MODULES = ("accelerate.utils.fsdp_utils", "accelerate.utils", "accelerate.accelerator")
@@ -103,6 +112,7 @@ class Handle:
     def __init__(self, writer: Any, patched: list[tuple[Any, str, Any]]) -> None:
         self.writer = writer
         self._patched = patched
+        self.warned_fsdp_inactive = False  # the FSDP-not-active warning was given
 
     @property
     def active(self) -> bool:
@@ -174,9 +184,75 @@ def enable(config: Mapping[str, Any] | None = None, **kwargs: Any) -> Handle:
             if hasattr(module, name):
                 patched.append((module, name, getattr(module, name)))
                 setattr(module, name, wrappers[name])
-    _active = Handle(writer, patched)
+    handle = Handle(writer, patched)
+    accelerator_cls = importlib.import_module("accelerate.accelerator").Accelerator
+    patched.append((accelerator_cls, "save_state", accelerator_cls.__dict__["save_state"]))
+    accelerator_cls.save_state = _check_save_state(accelerator_cls.save_state, handle)
+    _active = handle
     logger.info("Accelerate FSDP saves go through DataStatesWriter (%s)", opts)
-    return _active
+    shared = importlib.import_module("accelerate.state").AcceleratorState._shared_state
+    if shared:  # an Accelerator exists: check now (else at the first save_state)
+        _warn_if_fsdp_inactive(shared, handle, "enable()")
+    return handle
+
+
+def fsdp_inactive_reason(state: Any) -> str | None:
+    """Why Accelerate will not call its FSDP save functions, or None if FSDP is active.
+
+    ``state`` is an ``AcceleratorState`` (or its shared-state mapping).
+    """
+    from accelerate.utils import DistributedType
+
+    get = state.get if isinstance(state, Mapping) else functools.partial(getattr, state)
+    dist_type = get("distributed_type", None)
+    if dist_type == DistributedType.FSDP and get("fsdp_plugin", None) is not None:
+        return None
+    if dist_type == DistributedType.DEEPSPEED:
+        why = (
+            "Accelerate runs DeepSpeed, whose saves go through DeepSpeed's checkpoint engine "
+            "(import dcp_datastates.integrations.deepspeed and use the 'datastates_ckpt' key)"
+        )
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        why = (
+            "an FSDP plugin was given (ACCELERATE_USE_FSDP=true) but Accelerate did not activate "
+            "it: Accelerate uses FSDP only with several processes on a GPU-family device "
+            "(DistributedType.MULTI_GPU, MULTI_XPU, ...) and ignores the plugin on CPU"
+        )
+    else:
+        why = (
+            "no FSDP plugin was given (Accelerator(fsdp_plugin=...), `accelerate config` with "
+            "FSDP, or ACCELERATE_USE_FSDP=true)"
+        )
+    return (
+        f"Accelerate's FSDP is not active: AcceleratorState.distributed_type is {dist_type}, "
+        f"not DistributedType.FSDP, and AcceleratorState has no fsdp_plugin; {why}. "
+        "Accelerator.save_state therefore does not call Accelerate's FSDP save functions "
+        "and dcp_datastates.integrations.accelerate does NOT write its checkpoint: "
+        "it routes FSDP saves only"
+    )
+
+
+def _warn_if_fsdp_inactive(state: Any, handle: Handle, where: str) -> None:
+    """Warns once per handle, pointing at the caller of ``enable``/``save_state``."""
+    if handle.warned_fsdp_inactive:
+        return
+    reason = fsdp_inactive_reason(state)
+    if reason is None:
+        return
+    handle.warned_fsdp_inactive = True
+    msg = f"dcp_datastates.integrations.accelerate ({where}): {reason}"
+    logger.warning("%s", msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _check_save_state(original: Callable[..., Any], handle: Handle) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if handle.active:
+            _warn_if_fsdp_inactive(self.state, handle, "Accelerator.save_state")
+        return original(self, *args, **kwargs)
+
+    return save_state
 
 
 @contextlib.contextmanager

@@ -18,8 +18,10 @@ it does ``from datastates import CheckpointEngine`` (DataStates-LLM). Importing 
 :class:`DataStatesCheckpointEngine` instead, and wraps ``DeepSpeedEngine.save_checkpoint`` /
 ``load_checkpoint`` (see below). We ship no top-level ``datastates`` package, so DataStates-LLM
 is never shadowed: without the import, DeepSpeed uses DataStates-LLM if it is installed. With
-it, ours is used, and if DataStates-LLM is importable too a warning says so when the engine is
-built. :func:`disable` restores DeepSpeed's functions.
+it, ours is used, and when the engine is built rank 0 says so through DeepSpeed's own logger
+(``[Rank 0] [DataStatesCheckpointEngine] 'datastates_ckpt' is served by dcp_datastates ...``,
+at WARNING so that DeepSpeed's default level shows it; the line also says whether an installed
+DataStates-LLM is being bypassed). :func:`disable` restores DeepSpeed's functions.
 
 **What a save does** (:meth:`DataStatesCheckpointEngine.save`, per file DeepSpeed saves):
 
@@ -556,7 +558,6 @@ def _drain_at_exit() -> None:
 # -- routing ---------------------------------------------------------------------------------------
 _routing_lock = threading.Lock()
 _originals: dict[str, Any] = {}
-_warned_shadow = False
 
 
 def _datastates_llm_installed() -> bool:
@@ -566,10 +567,35 @@ def _datastates_llm_installed() -> bool:
         return False
 
 
+def _report_engine_choice() -> None:
+    """Says on rank 0, through DeepSpeed's logger, which engine serves ``datastates_ckpt``.
+
+    The key is DataStates-LLM's, so serving it with another engine is worth seeing: DeepSpeed's
+    own logger (stdout, ``[Rank 0]`` prefix) drops INFO by default (level WARNING), so the line
+    is logged at WARNING there, as DeepSpeed reports other substitutions; ``"log_level":
+    "error"`` in the ds_config (or ``deepspeed --quiet``) silences it.
+    """
+    from deepspeed.utils import log_dist
+
+    if _datastates_llm_installed():
+        llm = (
+            "the installed DataStates-LLM package 'datastates' is NOT used "
+            "(call dcp_datastates.integrations.deepspeed.disable() before "
+            "deepspeed.initialize to use it)"
+        )
+    else:
+        llm = "DataStates-LLM ('datastates') is not installed"
+    msg = (
+        "[DataStatesCheckpointEngine] 'datastates_ckpt' is served by dcp_datastates "
+        f"(imported dcp_datastates.integrations.deepspeed); {llm}"
+    )
+    log_dist(msg, ranks=[0], level=logging.WARNING)
+    logger.info("%s", msg)
+
+
 def _routed_create(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def create_checkpoint_engine(config_params: Any, *args: Any, **kwargs: Any) -> Any:
-        global _warned_shadow
         ds_cfg = getattr(config_params, "datastates_config", None)
         writer_cfg = getattr(config_params, "checkpoint_config", {}) or {}
         if (
@@ -577,16 +603,9 @@ def _routed_create(orig: Callable[..., Any]) -> Callable[..., Any]:
             and getattr(ds_cfg, "enabled", False)
             and writer_cfg.get("writer") is None
         ):
-            if _datastates_llm_installed() and not _warned_shadow:
-                _warned_shadow = True
-                logger.warning(
-                    "'datastates_ckpt' is served by dcp_datastates (imported "
-                    "dcp_datastates.integrations.deepspeed), NOT by the installed DataStates-LLM "
-                    "package 'datastates'; call dcp_datastates.integrations.deepspeed.disable() "
-                    "to use DataStates-LLM"
-                )
-            logger.info("DeepSpeed 'datastates_ckpt': using dcp_datastates' checkpoint engine")
-            return DataStatesCheckpointEngine(config_params)
+            engine = DataStatesCheckpointEngine(config_params)
+            _report_engine_choice()
+            return engine
         return orig(config_params, *args, **kwargs)
 
     create_checkpoint_engine.__dcp_datastates__ = True  # type: ignore[attr-defined]

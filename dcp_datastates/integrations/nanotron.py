@@ -14,7 +14,12 @@ The engine interface (the fork's ``CheckpointEngine``): ``save(state_dict, path,
 once per file (per-parameter ``{"data": tensor}`` files with their ``TensorMetadata``, optimizer,
 scheduler and random states), ``load(path, framework, device)`` returning a parameter file's
 ``"data"`` tensor, ``load_unsafe(path, map_location)`` returning any other file's object, and
-``wait()``, which the trainer calls before each optimizer step.
+``wait()``, which the trainer calls before each optimizer step. The fork also reads two class
+attributes: ``TENSOR_SUFFIX`` (parameter file names) and ``CHECKPOINT_VERSION``, recorded in
+``checkpoint_metadata.json`` and in each sharded parameter's ``TensorMetadata`` and compared at
+resume (ours is 2.0: the fork's own DataStates engine, 1.0, refuses our checkpoints, and ours
+refuses its single files by name). The fork's trainer never closes its engine: call
+``trainer.checkpoint_engine.close()`` after training so the last checkpoint is durable.
 
 What this engine guarantees, beyond the fork's own:
 
@@ -60,6 +65,20 @@ try:  # the fork's abstract base class, when the fork is installed
 except ImportError:  # upstream nanotron has no engine interface; stand alone
     _Base = object
 
+#: Format version the fork records in ``checkpoint_metadata.json`` and each ``TensorMetadata``
+#: and compares at resume (a checkpoint newer than the engine is refused). Above the fork's own
+#: DataStates engine (1.0), whose files are another format: it refuses ours by that check.
+_CHECKPOINT_VERSION = "2.0"
+
+
+def _checkpoint_version() -> Any:
+    """``packaging.version.Version`` (what the fork compares), or the text without packaging."""
+    try:
+        from packaging.version import Version
+    except ImportError:  # the fork depends on packaging; without the fork nothing compares it
+        return _CHECKPOINT_VERSION
+    return Version(_CHECKPOINT_VERSION)
+
 
 def _metadata_dict(metadata: Any) -> dict[str, str] | None:
     if metadata is None:
@@ -77,6 +96,7 @@ class DataStatesNanotronEngine(_Base):  # type: ignore[misc,valid-type]
     """Nanotron checkpoint engine on a :class:`~dcp_datastates.DataStatesWriter` (see module)."""
 
     TENSOR_SUFFIX = "datastates"
+    CHECKPOINT_VERSION: Any = _checkpoint_version()
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config) if config is not None else None
@@ -165,6 +185,12 @@ class DataStatesNanotronEngine(_Base):  # type: ignore[misc,valid-type]
     def _load(self, path: str | os.PathLike[str], map_location: Any, weights_only: bool) -> Any:
         key = os.fspath(path)
         self._drain(key)
+        if os.path.isfile(key):
+            raise ValueError(
+                f"{key}: a single file, not a checkpoint directory written by "
+                "DataStatesNanotronEngine; another Nanotron checkpoint engine wrote it "
+                "(resume it with that engine)"
+            )
         return load_packed(key, map_location=map_location, weights_only=weights_only)
 
 
