@@ -24,6 +24,13 @@ copied, the next is read, so at most two batches of temporaries exist. Temporari
 targets are pinned (page-locked) where possible and copied asynchronously in the current
 stream's order; ``read_data`` synchronizes those devices before it returns.
 
+Targets count as modified: every tensor the load writes into has its version counter bumped
+before the first byte lands in it (and, for reads straight into the target, once more after the
+read), as an in-place op would. The native reads are invisible to torch; without this, a lazy save
+whose source the load overwrites would commit the loaded values, and an incremental save after a
+rollback would keep referencing the bytes the tensor held before the load
+(:func:`mark_modified`). Inference tensors have no version counter and are not marked.
+
 Failures: a checksum mismatch, a truncated file or an I/O error raises
 :class:`~dcp_datastates.errors.IntegrityError` (damage) or ``OSError`` naming the tensor, the
 file and the byte range; DCP reports it from ``dcp.load`` like any reader error. Targets of a
@@ -51,7 +58,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -200,7 +207,8 @@ class DataStatesReader(FileSystemReader):
                 else:
                     ch.reqs.append(req)
         if rest:
-            super().read_data(LoadPlan(rest, plan.storage_data), planner).wait()
+            marking = cast(LoadPlanner, _MarkingPlanner(planner))
+            super().read_data(LoadPlan(rest, plan.storage_data), marking).wait()
         for req, rec in byte_items:
             self._read_bytes(req, rec, planner)
         nbytes = self._read_tensors(list(native.values()), planner)
@@ -403,6 +411,7 @@ class DataStatesReader(FileSystemReader):
             and not target.is_neg()
             and target.layout == torch.strided
         ):
+            mark_modified(target)  # before the read lands in it (lazy saves see the change)
             ch.dst = target
             ch.direct = True
         else:
@@ -468,6 +477,7 @@ class DataStatesReader(FileSystemReader):
     def _deliver(self, ch: _Chunk, planner: LoadPlanner, devices: set[torch.device]) -> None:
         assert ch.dst is not None
         if ch.direct:
+            mark_modified(ch.dst)  # and after: a save called during the read is not trusted
             planner.commit_tensor(ch.reqs[0], ch.dst)
             return
         for i, req in enumerate(ch.reqs):
@@ -480,6 +490,7 @@ class DataStatesReader(FileSystemReader):
                     f"'{req.storage_index.fqn}': the load plan wants shape {tuple(target.size())} "
                     f"but reads {tuple(src.size())} from the checkpoint"
                 )
+            mark_modified(target)  # before the copy (copy_ itself counts only once it is done)
             # From pinned memory into a GPU tensor: asynchronous, in the current stream's order
             # (later work on it waits); read_data synchronizes the device before it returns.
             if target.is_cuda and src.is_pinned():
@@ -492,8 +503,37 @@ class DataStatesReader(FileSystemReader):
         ch.target = None
 
 
+def mark_modified(t: torch.Tensor) -> None:
+    """Counts a write into ``t`` as an in-place modification: bumps its version counter (shared
+    with every alias and ``detach()`` of it), which incremental saves and lazy capture compare.
+
+    Called *before* a write torch does not see begins (a native read into the tensor's memory),
+    so that a lazy save whose copy may overlap the write finds the counter changed when it checks
+    its capture, and fails with CaptureError instead of committing a torn or loaded value.
+    Inference tensors have no version counter: nothing to mark.
+    """
+    if not t.is_inference():
+        torch.autograd.graph.increment_version(t)
+
+
+class _MarkingPlanner:
+    """A load planner whose ``resolve_tensor`` marks each target modified before the stock
+    reader copies into it (every other attribute is the wrapped planner's)."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner = planner
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self._planner.resolve_tensor(read_item)
+        mark_modified(target)
+        return target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
 def _key_offset(rec: ItemRecord) -> tuple[int, ...] | None:
     return tuple(rec.offset) if rec.offset is not None else None
 
 
-__all__ = ["DataStatesReader"]
+__all__ = ["DataStatesReader", "mark_modified"]
