@@ -38,6 +38,10 @@ class ItemRecord:
     # Incremental saves: the sibling checkpoint directory that holds the bytes (``file`` and the
     # offsets are in it; ``.metadata`` records ``../<ref>/<file>``). None: in this checkpoint.
     ref: str | None = None
+    # With ``ref``: the save id of the owner's manifest that recorded the bytes (the save that was
+    # referenced; checked before the reference is trusted, dcp_datastates.refcheck). None in
+    # manifests written before it was recorded.
+    ref_save_id: str | None = None
 
 
 @dataclass
@@ -122,6 +126,8 @@ def _item_json(rec: ItemRecord) -> str:
     offset = "null" if rec.offset is None else _ints_json(rec.offset)
     chunks = ",".join([f"[{int(o)},{int(n)},{int(c)}]" for o, n, c in rec.chunks])
     ref = "" if rec.ref is None else ',"ref":' + _quote(rec.ref)
+    if rec.ref_save_id is not None:
+        ref += ',"ref_save_id":' + _quote(rec.ref_save_id)
     return (
         f'{{"fqn":{_quote(rec.fqn)},"offset":{offset},"file":{_quote(rec.file)},'
         f'"archive_offset":{int(rec.archive_offset)},"archive_length":{int(rec.archive_length)},'
@@ -160,7 +166,7 @@ def _item(it: Any, i: int) -> ItemRecord:
         fqn, file, dtype, shape, chunks_raw = (
             get("fqn"), get("file"), get("dtype"), get("shape"), get("chunks")
         )
-        offset, ref = get("offset"), get("ref")
+        offset, ref, ref_save_id = get("offset"), get("ref"), get("ref_save_id")
         ints = (get("archive_offset"), get("archive_length"), get("payload_offset"),
                 get("payload_bytes"))
         if (
@@ -171,6 +177,7 @@ def _item(it: Any, i: int) -> ItemRecord:
             and _nonneg_ints(shape)
             and (offset is None or _nonneg_ints(offset))
             and (ref is None or type(ref) is str)
+            and (ref_save_id is None or type(ref_save_id) is str)
             and type(chunks_raw) is list
             and all(_nonneg_ints(c) and len(c) == 3 for c in chunks_raw)
         ):
@@ -186,6 +193,7 @@ def _item(it: Any, i: int) -> ItemRecord:
                 shape=list(shape),
                 chunks=[(c[0], c[1], c[2]) for c in chunks_raw],
                 ref=ref,
+                ref_save_id=ref_save_id,
             )
     return _item_checked(it, i)
 
@@ -212,8 +220,12 @@ def _item_checked(it: Any, i: int) -> ItemRecord:
     ref = it.get("ref")
     if ref is not None and not isinstance(ref, str):
         raise ValueError(f"{where}field 'ref' is not a str: {ref!r:.80}")
+    ref_save_id = it.get("ref_save_id")
+    if ref_save_id is not None and not isinstance(ref_save_id, str):
+        raise ValueError(f"{where}field 'ref_save_id' is not a str: {ref_save_id!r:.80}")
     return ItemRecord(
         ref=ref,
+        ref_save_id=ref_save_id,
         fqn=fqn,
         offset=None if offset is None else _ints(offset, f"{where}'offset'"),
         file=_field(it, "file", str, where),

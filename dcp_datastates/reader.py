@@ -16,6 +16,14 @@ What takes the stock path (``FileSystemReader.read_data``, no checksum): checkpo
 our manifests (any other DCP checkpoint), items a manifest does not describe exactly as
 ``.metadata`` does, and non-local paths. The stock ``dcp.load`` keeps reading our checkpoints.
 
+References (items of an incremental save whose bytes live in a sibling checkpoint, the *owner*)
+are read natively from ``../<owner>/<file>``, with the CRC-32C the referring manifest recorded.
+Before anything is read, every reference in the plan is checked against its owner
+(:mod:`dcp_datastates.refcheck`: committed, by the save that wrote the referenced bytes, not
+rewritten by another writer since, the file long enough); a reference that fails raises
+:class:`~dcp_datastates.errors.IntegrityError` naming the keys, the owner and file, and what
+differs, and no target is written.
+
 Memory: a read item that is a whole saved chunk and whose target is a contiguous CPU tensor of
 the same dtype is read straight into the target. Other items (resharded parts, other dtypes,
 CUDA targets) are read into temporary CPU tensors in batches of at most ``buffer_size`` bytes
@@ -73,7 +81,9 @@ from .commit import MANIFEST_PREFIX
 from .config import parse_size
 from .errors import IntegrityError
 from .gcpause import ProtocolPause
+from .incremental import is_reference_path, relative_path
 from .manifest import ItemRecord, RankManifest
+from .refcheck import OwnerChecks, reference_error
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +144,7 @@ class DataStatesReader(FileSystemReader):
         self._records: dict[_Key, ItemRecord] = {}
         self._checksummed: set[_Key] = set()
         self._metadata: Metadata | None = None
+        self._owner_checks = OwnerChecks()
         self._gc_pause: ProtocolPause | None = None
         #: What the last ``read_data`` did: items read natively / by the stock path, bytes.
         self.last_read: dict[str, int] = {}
@@ -145,6 +156,7 @@ class DataStatesReader(FileSystemReader):
         self._records = {}
         self._checksummed = set()
         self._metadata = None
+        self._owner_checks = OwnerChecks()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # The load's per-item work (unpickling .metadata, DCP's planning, our manifests) makes
@@ -187,6 +199,7 @@ class DataStatesReader(FileSystemReader):
             self._end_gc_pause()
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._check_references(plan)  # before anything is written into a target
         native: dict[MetadataIndex, _Chunk] = {}
         byte_items: list[tuple[ReadItem, ItemRecord]] = []
         rest: list[ReadItem] = []
@@ -246,6 +259,35 @@ class DataStatesReader(FileSystemReader):
                 if m.checksums:
                     self._checksummed.add(key)
 
+    def _check_references(self, plan: LoadPlan) -> None:
+        """Raises IntegrityError if an item of the plan refers to another checkpoint (an
+        incremental save) that is not the one referenced: not committed, rewritten by another
+        writer, saved again, or its data file missing or short (:mod:`dcp_datastates.refcheck`).
+        Each chunk's CRC-32C is checked as it is read (``verify``)."""
+        if not self._local_dir():
+            return
+        root = os.fspath(self.path)
+        problems: dict[str, list[str]] = {}
+        for req in plan.items:
+            info: _StorageInfo | None = self.storage_data.get(req.storage_index)
+            rel = getattr(info, "relative_path", None)
+            if not is_reference_path(rel):
+                continue
+            assert isinstance(rel, str)
+            idx = req.storage_index
+            rec = self._records.get(
+                (idx.fqn, tuple(idx.offset) if idx.offset is not None else None)
+            )
+            if rec is not None and rec.ref is not None and relative_path(rec) == rel:
+                why = self._owner_checks.item_problem(root, rec)
+            else:  # no manifest record of it: what can be checked without one
+                why = self._owner_checks.commit_problem(os.path.join(root, os.path.dirname(rel)))
+            if why is not None:
+                keys = problems.setdefault(why, [])
+                keys.append(f"'{idx.fqn}' ({rel[3:]})")
+        if problems:
+            raise IntegrityError(reference_error(root, problems))
+
     def _local_dir(self) -> bool:
         # Only a local directory: fsspec paths (FsspecReader) are not this class anyway.
         return isinstance(self.path, (str, os.PathLike)) and os.path.isdir(os.fspath(self.path))
@@ -261,11 +303,12 @@ class DataStatesReader(FileSystemReader):
         info: _StorageInfo | None = self.storage_data.get(index)
         if (
             info is None
-            or info.relative_path != rec.file
+            or info.relative_path != relative_path(rec)
             or info.offset != rec.archive_offset
             or info.length != rec.archive_length
             or info.transform_descriptors
             or os.sep in rec.file
+            or (rec.ref is not None and not is_reference_path(relative_path(rec)))
             or sum(c[1] for c in rec.chunks) != rec.payload_bytes
         ):
             return None
@@ -294,7 +337,7 @@ class DataStatesReader(FileSystemReader):
 
     # -- reading ------------------------------------------------------------------------------
     def _read_bytes(self, req: ReadItem, rec: ItemRecord, planner: LoadPlanner) -> None:
-        path = os.path.join(os.fspath(self.path), rec.file)
+        path = os.path.join(os.fspath(self.path), relative_path(rec))
         with open(path, "rb") as f:
             data = os.pread(f.fileno(), rec.archive_length, rec.archive_offset)
         if len(data) != rec.archive_length:
@@ -435,10 +478,11 @@ class DataStatesReader(FileSystemReader):
             assert ch.dst is not None
             if rec.payload_bytes == 0:
                 continue
-            fid = path_ids.get(rec.file)
+            where = relative_path(rec)  # ../<owner>/<file> for a reference (checked before)
+            fid = path_ids.get(where)
             if fid is None:
-                fid = path_ids[rec.file] = len(paths)
-                paths.append(os.path.join(root, rec.file))
+                fid = path_ids[where] = len(paths)
+                paths.append(os.path.join(root, where))
             base = ch.dst.data_ptr()
             checked = self.verify and (rec.fqn, _key_offset(rec)) in self._checksummed
             names.append(rec.fqn)
@@ -447,7 +491,7 @@ class DataStatesReader(FileSystemReader):
                 if rel < 0 or rel + n > rec.payload_bytes:
                     raise IntegrityError(
                         f"'{rec.fqn}': its manifest chunk [{off}, {off + n}) lies outside its "
-                        f"payload in {rec.file}: the manifest is damaged"
+                        f"payload in {where}: the manifest is damaged"
                     )
                 files.append(fid)
                 offsets.append(off)
