@@ -271,9 +271,8 @@ class DataStatesReader(FileSystemReader):
         for req in plan.items:
             info: _StorageInfo | None = self.storage_data.get(req.storage_index)
             rel = getattr(info, "relative_path", None)
-            if not is_reference_path(rel):
+            if not isinstance(rel, str) or not is_reference_path(rel):
                 continue
-            assert isinstance(rel, str)
             idx = req.storage_index
             rec = self._records.get(
                 (idx.fqn, tuple(idx.offset) if idx.offset is not None else None)

@@ -70,16 +70,16 @@ class OwnerChecks:
         (steps 1 and 2 of the module docstring); None if it is."""
         return self._commit(owner_dir).problem
 
-    def save_ids(self, owner_dir: str) -> frozenset[str]:
-        """The save ids of the owner's manifests (as :meth:`commit_problem` read them)."""
-        return self._commit(owner_dir).save_ids
-
     def item_problem(self, checkpoint_dir: str, rec: ItemRecord) -> str | None:
         """Why the reference ``rec`` (an item of ``checkpoint_dir``'s manifest with ``ref`` set)
-        must not be trusted; None if every check of the module docstring passes."""
-        assert rec.ref is not None
-        owner = os.path.join(checkpoint_dir, os.pardir, rec.ref)
+        must not be trusted; None if every check of the module docstring passes (or ``rec`` is
+        not a reference)."""
+        if rec.ref is None:
+            return None
         where = f"{rec.ref}/{rec.file}"
+        if not (_plain(rec.ref) and _plain(rec.file)):
+            return f"the reference {where!r} is not a file of a sibling checkpoint"
+        owner = os.path.join(checkpoint_dir, os.pardir, rec.ref)
         if not os.path.isdir(owner):
             return f"the referenced checkpoint {rec.ref} ({os.path.normpath(owner)}) is missing"
         commit = self._commit(owner)
@@ -115,6 +115,10 @@ class OwnerChecks:
         with self._lock:
             self._cache[real] = (key, commit)
         return commit
+
+
+def _plain(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def _examine(owner_dir: str, name: str, md_path: str) -> _Commit:
