@@ -83,7 +83,7 @@ from .errors import IntegrityError
 from .gcpause import ProtocolPause
 from .incremental import is_reference_path, relative_path
 from .manifest import ItemRecord, RankManifest
-from .refcheck import OwnerChecks, reference_error
+from .refcheck import OwnerChecks, may_be_rewritten, reference_error
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +279,10 @@ class DataStatesReader(FileSystemReader):
             )
             if rec is not None and rec.ref is not None and relative_path(rec) == rel:
                 why = self._owner_checks.item_problem(root, rec)
-            else:  # no manifest record of it: what can be checked without one
+            elif may_be_rewritten(os.path.basename(rel)):  # no manifest record: its owner
                 why = self._owner_checks.commit_problem(os.path.join(root, os.path.dirname(rel)))
+            else:
+                why = None  # a file named after its save: the read checks it is there
             if why is not None:
                 keys = problems.setdefault(why, [])
                 keys.append(f"'{idx.fqn}' ({rel[3:]})")

@@ -2,12 +2,17 @@
 
 An incremental checkpoint's item may live in a sibling checkpoint, its *owner*: ``.metadata``
 records ``../<owner>/<file>`` and the referring rank's manifest the item with ``"ref": "<owner>"``
-(docs/format.md, "Incremental saves"). Nothing ties those bytes to the save that wrote them: another
-writer that rewrites the owner (the stock ``FileSystemWriter`` opens ``__<rank>_<i>.distcp`` with
-``O_TRUNC`` and writes its own data at the same names, then renames in its own ``.metadata``) leaves
-a file that the stock reader may parse as a tensor of the same shape holding other values.
+(docs/format.md, "Incremental saves"). Another writer that saves to the owner's directory (the
+stock ``FileSystemWriter`` opens ``__<rank>_<i>.distcp`` with ``O_TRUNC``, writes its own data
+under those names and renames in its own ``.metadata``) leaves files that the stock reader may
+parse as tensors of the same shapes holding other values.
 
-What is checked, per owner, cheaply (a ``stat``, the owner's ``.metadata`` and the first bytes of
+An incremental writer therefore names its data files after its save
+(``__<rank>_<i>.<tag>.distcp``, the tag being the save id's first hex digits): no other save writes
+those names, so a reference to one needs only the file (present, long enough) and, while it is
+read, the CRC-32C of each chunk. A reference to a file named ``__<rank>_<i>.distcp`` (written
+before data files were named so, or by hand) could have been rewritten under it, and is checked
+against its owner first, cheaply (a ``stat``, the owner's ``.metadata`` and the first bytes of
 each of its manifests; cached per owner while its ``.metadata`` is the same file):
 
 1. *committed*: ``<owner>/.metadata`` exists;
@@ -18,7 +23,7 @@ each of its manifests; cached per owner while its ``.metadata`` is the same file
    our manifests behind, and the ids differ;
 3. *the save that was referenced*: one of the owner's manifests has the save id the referring
    rank recorded (``"ref_save_id"``; manifests written before this field existed skip this step);
-4. per item, the data file exists and is long enough to hold it.
+4. (every reference) the data file exists and is long enough to hold the item.
 
 Per chunk, the CRC-32C the referring manifest recorded is compared with the bytes themselves by
 :class:`~dcp_datastates.reader.DataStatesReader` as it reads them and by ``verify``.
@@ -27,7 +32,8 @@ Who runs the checks: ``DataStatesReader`` (before it writes into any target),
 :func:`dcp_datastates.load` (:func:`check_references`, with or without ``verify``) and the writer
 before it records a new reference (``incremental.owner_problem``). The stock ``dcp.load``
 (``FileSystemReader``) runs no code of this package: it opens ``../<owner>/<file>`` and trusts the
-bytes it finds there.
+bytes it finds there, which, in a file named after its save, are the ones that save wrote unless
+the file itself was damaged or replaced.
 
 Threads: an :class:`OwnerChecks` may be shared by threads (its cache is guarded by a lock).
 """
@@ -47,6 +53,7 @@ from .refs import stat_key
 
 _MANIFEST_RE = re.compile(r"^" + re.escape(MANIFEST_PREFIX) + r"(\d+)\.json$")
 _SAVE_ID_RE = re.compile(rb'"save_id"\s*:\s*"([^"\\]*)"')
+_REWRITABLE_RE = re.compile(r"^__\d+_\d+\.distcp$")  # DCP's names: other writers use them too
 _HEAD_BYTES = 512  # a manifest begins with {"rank":..,"checksums":..,"save_id":"..."
 
 
@@ -82,6 +89,20 @@ class OwnerChecks:
         owner = os.path.join(checkpoint_dir, os.pardir, rec.ref)
         if not os.path.isdir(owner):
             return f"the referenced checkpoint {rec.ref} ({os.path.normpath(owner)}) is missing"
+        if may_be_rewritten(rec.file):  # a name other saves write too: check the owner
+            problem = self._owner_problem(owner, rec)
+            if problem is not None:
+                return problem
+        key = stat_key(os.path.join(owner, rec.file))
+        end = rec.archive_offset + rec.archive_length
+        if key is None:
+            return f"{where} is missing"
+        if key[2] < end:
+            return f"{where} is truncated ({key[2]} bytes; the item ends at byte {end})"
+        return None
+
+    def _owner_problem(self, owner: str, rec: ItemRecord) -> str | None:
+        """Steps 1-3 of the module docstring for the reference ``rec``."""
         commit = self._commit(owner)
         if commit.problem is not None:
             return commit.problem
@@ -91,12 +112,6 @@ class OwnerChecks:
                 f"save {rec.ref_save_id}, its manifests are of save(s) "
                 f"{', '.join(sorted(commit.save_ids)) or '(none)'}"
             )
-        key = stat_key(os.path.join(owner, rec.file))
-        end = rec.archive_offset + rec.archive_length
-        if key is None:
-            return f"{where} is missing"
-        if key[2] < end:
-            return f"{where} is truncated ({key[2]} bytes; the item ends at byte {end})"
         return None
 
     def _commit(self, owner_dir: str) -> _Commit:
@@ -115,6 +130,12 @@ class OwnerChecks:
         with self._lock:
             self._cache[real] = (key, commit)
         return commit
+
+
+def may_be_rewritten(file: str) -> bool:
+    """Whether another save may have written a data file of this name (DCP's own names,
+    ``__<rank>_<i>.distcp``), so a reference to it needs its owner checked (steps 1-3)."""
+    return _REWRITABLE_RE.match(file) is not None
 
 
 def _plain(name: str) -> bool:
@@ -276,4 +297,4 @@ def reference_error(root: str, problems: dict[str, list[str]]) -> str:
     )
 
 
-__all__ = ["OwnerChecks", "check_references", "reference_error"]
+__all__ = ["OwnerChecks", "check_references", "may_be_rewritten", "reference_error"]

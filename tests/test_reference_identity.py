@@ -1,9 +1,13 @@
 """A reference (incremental saves) is checked against the checkpoint it refers to before use.
 
-Checkpoint ``b`` references the bytes of ``a`` (``../a/__0_0.distcp``). When ``a`` is rewritten by
-another writer (the stock ``FileSystemWriter``), saved again, or damaged, ``DataStatesReader`` and
+Checkpoint ``b`` references the bytes of ``a``. An incremental writer names its data files after
+its save (``__0_0.<tag>.distcp``), so another writer saving to ``a`` (the stock
+``FileSystemWriter`` rewrites ``__0_0.distcp`` in place) leaves them alone and every reader,
+the stock ``dcp.load`` included, loads ``b`` as it was saved. References to files with DCP's own
+names (checkpoints written before that naming) are checked against their owner: when ``a`` is
+rewritten by another writer, saved again, or damaged, ``DataStatesReader`` and
 ``dcp_datastates.load`` refuse ``b`` naming the key, the owner and file and what differs, before
-any target is written; the writer never references such an owner. Valid references load natively.
+any target is written. The writer never references an owner another writer rewrote.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import in_thread
 
 import dcp_datastates
-from dcp_datastates import DataStatesReader, DataStatesWriter, IntegrityError
+from dcp_datastates import DataStatesReader, DataStatesWriter, IntegrityError, layout
 from dcp_datastates.refcheck import check_references
 from dcp_datastates.verify import verify_checkpoint
 
@@ -64,9 +68,7 @@ def _native_load(dest: dict[str, Any], path: Path) -> DataStatesReader:
     return reader
 
 
-@pytest.fixture
-def a_and_b(tmp_path: Path) -> tuple[Path, Path]:
-    """``a`` (ones) saved in full, ``b`` (the same tensors, unchanged) referencing it."""
+def _make_a_and_b(tmp_path: Path) -> tuple[Path, Path]:
     w = _writer(tmp_path, incremental=True)
     try:
         sd = _state(1.0)
@@ -76,6 +78,28 @@ def a_and_b(tmp_path: Path) -> tuple[Path, Path]:
         w.close()
     assert _refs(tmp_path / "b") == {"a"}
     return tmp_path / "a", tmp_path / "b"
+
+
+@pytest.fixture
+def a_and_b(tmp_path: Path) -> tuple[Path, Path]:
+    """``a`` (ones) saved in full, ``b`` (the same tensors, unchanged) referencing it."""
+    return _make_a_and_b(tmp_path)
+
+
+@pytest.fixture
+def legacy_a_and_b(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """As ``a_and_b``, with data files named as DCP names them (``__0_0.distcp``): checkpoints
+    written before an incremental writer named its files after its save."""
+    monkeypatch.setattr(layout, "SAVE_TAG_HEX", 0)
+    a, b = _make_a_and_b(tmp_path)
+    assert (a / "__0_0.distcp").exists()
+    return a, b
+
+
+def _values(load: Any, path: Path) -> set[float]:
+    dest = _zeros()
+    load(dest, path)
+    return {float(v) for t in dest.values() for v in t.unique()}
 
 
 def test_valid_references_are_read_natively_and_checked(a_and_b: tuple[Path, Path]) -> None:
@@ -109,8 +133,25 @@ def _assert_refused(b: Path, *words: str) -> None:
     assert all(bool((t == 0).all()) for t in dest.values()), "a target was written"
 
 
-def test_owner_overwritten_by_the_stock_writer_is_refused(a_and_b: tuple[Path, Path]) -> None:
+def test_owner_overwritten_by_the_stock_writer_leaves_the_referenced_bytes(
+    a_and_b: tuple[Path, Path],
+) -> None:
     a, b = a_and_b
+    (owner_file,) = a.glob("__0_0.*.distcp")
+    _stock_save(_state(2.0), a)  # same shapes, other values, written as __0_0.distcp
+    assert owner_file.exists()
+    stock = lambda d, p: dcp.load(d, checkpoint_id=str(p), no_dist=True)  # noqa: E731
+    assert _values(stock, a) == {2.0}  # a is the other writer's checkpoint now
+    assert _values(stock, b) == {1.0}  # b still loads as saved, through the stock reader too
+    assert _values(lambda d, p: _native_load(d, p), b) == {1.0}
+    assert _values(lambda d, p: dcp_datastates.load(d, p, no_dist=True), b) == {1.0}
+    assert check_references(b) == 2
+
+
+def test_legacy_owner_overwritten_by_the_stock_writer_is_refused(
+    legacy_a_and_b: tuple[Path, Path],
+) -> None:
+    a, b = legacy_a_and_b
     _stock_save(_state(2.0), a)  # same shapes, other values: the same file names, rewritten
     _assert_refused(b, "overwritten by another writer")
     with pytest.raises(IntegrityError, match="overwritten by another writer"):
@@ -118,15 +159,20 @@ def test_owner_overwritten_by_the_stock_writer_is_refused(a_and_b: tuple[Path, P
     assert not verify_checkpoint(b).ok  # verify keeps catching it
 
 
-def test_owner_saved_again_by_our_writer_is_refused(a_and_b: tuple[Path, Path]) -> None:
-    a, b = a_and_b
+@pytest.mark.parametrize("legacy", [False, True], ids=["save-named", "dcp-named"])
+def test_owner_saved_again_by_our_writer_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, legacy: bool
+) -> None:
+    if legacy:
+        monkeypatch.setattr(layout, "SAVE_TAG_HEX", 0)
+    a, b = _make_a_and_b(tmp_path)
     shutil.rmtree(a)  # by hand: an overwrite of a referenced checkpoint is refused
-    w = _writer(a.parent)
+    w = _writer(a.parent, incremental=True)
     try:
         _save(w, _state(3.0), a)
     finally:
         w.close()
-    _assert_refused(b, "saved again")
+    _assert_refused(b, "saved again" if legacy else "is missing")
 
 
 def test_damaged_owner_bytes_fail_the_native_read(a_and_b: tuple[Path, Path]) -> None:
@@ -183,3 +229,19 @@ def test_the_save_id_is_found_in_metadata_without_unpickling(protocol: int) -> N
     raw = pickle.dumps(md, protocol=protocol)
     assert _records_one_of(raw, frozenset({ours})) and not _records_one_of(raw, frozenset({other}))
     assert _save_id_of(pickle.dumps(Metadata(state_dict_metadata={}), protocol=protocol)) is None
+
+
+def test_an_overwrite_removes_the_save_named_files(tmp_path: Path) -> None:
+    w = _writer(tmp_path, incremental=True)
+    try:
+        _save(w, _state(1.0), tmp_path / "a")
+    finally:
+        w.close()
+    (old,) = (tmp_path / "a").glob("__0_0.*.distcp")
+    w = _writer(tmp_path)
+    try:
+        _save(w, _state(2.0), tmp_path / "a")  # not referenced: the overwrite goes ahead
+    finally:
+        w.close()
+    assert not old.exists()
+    assert sorted(p.name for p in (tmp_path / "a").glob("*.distcp")) == ["__0_0.distcp"]
