@@ -38,6 +38,13 @@ References point straight at the bytes' owner: a save referencing a checkpoint t
 references an older one records the older one (no chains of hops). Each rank decides for its own
 items; DCP merges the metadata as usual.
 
+Every save of an incremental writer names its data files after the save
+(``__<rank>_<i>.<tag>.distcp``, :func:`dcp_datastates.layout.save_tag`): no other save writes those
+names, so another writer saving into an owner's directory (the stock ``FileSystemWriter``
+rewrites ``__<rank>_<i>.distcp`` in place) does not change what a reference reads, whichever
+reader follows it. Readers of this package check each reference before they trust it
+(:mod:`dcp_datastates.refcheck`).
+
 Retention and overwrite (:func:`referrers`, used by :mod:`dcp_datastates.checkpoints` and
 :mod:`dcp_datastates.commit`): a checkpoint that another checkpoint of the same root references
 (complete or partial, through its manifests) is never pruned, cleaned up or overwritten; prune
