@@ -251,12 +251,17 @@ def check_references(checkpoint_dir: str | os.PathLike[str],
                      checks: OwnerChecks | None = None) -> int:
     """Checks every reference in the manifests of the local checkpoint ``checkpoint_dir``;
     returns how many there are. Raises :class:`IntegrityError` naming each key, the referenced
-    checkpoint and file and what differs (all problems found, one per owner and reason)."""
+    checkpoint and file and what differs (all problems found, one per owner and reason).
+
+    Manifests that the directory's ``.metadata`` was not committed with (another writer saved
+    there since, and its ``.metadata`` references nothing) are not checked: 0."""
     root = os.fspath(checkpoint_dir)
     checks = checks or OwnerChecks()
     try:
         names = sorted(n for n in os.listdir(root) if _MANIFEST_RE.match(n))
     except OSError:
+        return 0
+    if checks.commit_problem(root) is not None:
         return 0
     problems: dict[str, list[str]] = {}
     count = 0

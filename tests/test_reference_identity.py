@@ -245,3 +245,15 @@ def test_an_overwrite_removes_the_save_named_files(tmp_path: Path) -> None:
         w.close()
     assert not old.exists()
     assert sorted(p.name for p in (tmp_path / "a").glob("*.distcp")) == ["__0_0.distcp"]
+
+
+def test_a_referring_checkpoint_rewritten_by_another_writer_loads(
+    a_and_b: tuple[Path, Path],
+) -> None:
+    """``b`` itself saved again by the stock writer: its manifests (with references) are stale
+    and nothing of them is checked (their owner is gone); the native reader loads it."""
+    a, b = a_and_b
+    shutil.rmtree(a)
+    _stock_save(_state(5.0), b)
+    assert check_references(b) == 0
+    assert _values(lambda d, p: _native_load(d, p), b) == {5.0}
