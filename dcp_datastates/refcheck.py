@@ -261,7 +261,7 @@ def check_references(checkpoint_dir: str | os.PathLike[str],
         names = sorted(n for n in os.listdir(root) if _MANIFEST_RE.match(n))
     except OSError:
         return 0
-    if checks.commit_problem(root) is not None:
+    if not names or checks.commit_problem(root) is not None:
         return 0
     problems: dict[str, list[str]] = {}
     count = 0
