@@ -59,7 +59,8 @@ MANIFEST_PREFIX = "__datastates_manifest_"
 
 # Names the writer owns inside a checkpoint directory (removed when a checkpoint is overwritten).
 _DATA_FILE_RE = re.compile(
-    r"^(?:__\d+_\d+\.distcp|shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors)$"  # safetensors format
+    # data files (an incremental writer's carry the save's tag), safetensors format
+    r"^(?:__\d+_\d+(?:\.[0-9a-f]+)?\.distcp|shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors)$"
 )
 _MANIFEST_RE = re.compile(r"^__datastates_manifest_\d+\.json$")
 # (the pid.thread suffix: temporary names of the persistent tier's copies, dcp_datastates.tiers)

@@ -21,8 +21,11 @@ When a tensor is referenced (all must hold; otherwise it is written as usual):
   CRC-32C recorded for the referenced bytes (this also catches writes the version counter does
   not see: ``p.data.add_()``, numpy/DLPack views, raw pointers);
 * the owner checkpoint is committed (``.metadata`` present), its manifest for this rank is the one
-  that save wrote (same save id), its data file is there and large enough, and it is a sibling
-  directory of the new checkpoint (same parent); the target is a local directory.
+  that save wrote (same save id), its ``.metadata`` was committed by that save (not rewritten by
+  another writer since, :mod:`dcp_datastates.refcheck`), its data file is there and large enough,
+  and it is a sibling directory of the new checkpoint (same parent); the target is a local
+  directory. The manifest records the owner's save id with each reference (``ref_save_id``), so
+  a reader can check the reference before trusting it.
 
 What ``incremental=True`` does not detect: writes that bypass the version counter and keep the
 storage (``.data`` writes, numpy or DLPack aliases, custom kernels or other processes writing
@@ -34,6 +37,13 @@ with ``p.data`` instead of ``p.detach()``/``state_dict()``: ``.data`` has its ow
 References point straight at the bytes' owner: a save referencing a checkpoint that itself
 references an older one records the older one (no chains of hops). Each rank decides for its own
 items; DCP merges the metadata as usual.
+
+Every save of an incremental writer names its data files after the save
+(``__<rank>_<i>.<tag>.distcp``, :func:`dcp_datastates.layout.save_tag`): no other save writes those
+names, so another writer saving into an owner's directory (the stock ``FileSystemWriter``
+rewrites ``__<rank>_<i>.distcp`` in place) does not change what a reference reads, whichever
+reader follows it. Readers of this package check each reference before they trust it
+(:mod:`dcp_datastates.refcheck`).
 
 Retention and overwrite (:func:`referrers`, used by :mod:`dcp_datastates.checkpoints` and
 :mod:`dcp_datastates.commit`): a checkpoint that another checkpoint of the same root references
@@ -67,6 +77,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _core
 from .errors import CaptureError
 from .manifest import ItemRecord
+from .refcheck import OwnerChecks
 from .refs import lock_shared, stat_key, unlock
 
 logger = logging.getLogger(__name__)
@@ -221,14 +232,24 @@ class _ManifestCache:
 
 
 def owner_problem(
-    owner: Owner, manifests: _ManifestCache, files: Iterable[Location] = ()
+    owner: Owner,
+    manifests: _ManifestCache,
+    files: Iterable[Location] = (),
+    checks: OwnerChecks | None = None,
 ) -> str | None:
-    """Why ``owner`` cannot be referenced now (None: it can): committed, same save, files there."""
+    """Why ``owner`` cannot be referenced now (None: it can): committed, same save, files there;
+    with ``checks``, also its ``.metadata`` committed by that save, not rewritten by another
+    writer since (reads the owner's ``.metadata`` once while it is unchanged: the save thread's
+    check in :meth:`Tracker.acquire`, not the save call's)."""
     if not os.path.isfile(os.path.join(owner.dir, _METADATA)):
         return f"{owner.dir} is not a committed checkpoint (no {_METADATA})"
     man = os.path.join(owner.dir, f"__datastates_manifest_{owner.rank}.json")
     if manifests.save_id(man) != owner.save_id:
         return f"{owner.dir} was overwritten or its manifest of rank {owner.rank} is gone"
+    if checks is not None:
+        why = checks.commit_problem(owner.dir)
+        if why is not None:
+            return why
     for loc in files:
         p = os.path.join(owner.dir, loc.file)
         key = stat_key(p)
@@ -271,6 +292,7 @@ class Tracker:
         self._lock = threading.Lock()
         self._records: dict[str, Record] = {}
         self._manifests = _ManifestCache()
+        self._owner_checks = OwnerChecks()
         self._warned_remote = False
         self.last_referenced_bytes = 0  # this rank's referenced payload bytes in the last save
         self.last_referenced_items = 0
@@ -365,7 +387,8 @@ class Tracker:
                     else:
                         locks.fds.append(fd)
                         why = owner_problem(
-                            owner, self._manifests, [i.ref for i in items if i.ref is not None]
+                            owner, self._manifests, [i.ref for i in items if i.ref is not None],
+                            self._owner_checks,
                         )
                 if why is not None:
                     logger.info(
@@ -405,6 +428,7 @@ class Tracker:
             shape=list(loc.shape),
             chunks=list(loc.chunks),
             ref=loc.owner.name,
+            ref_save_id=loc.owner.save_id,
         )
         return relative_path(rec), loc.archive_offset, loc.archive_length, rec
 

@@ -146,13 +146,26 @@ class TemplateCache:
 
 
 @functools.lru_cache(maxsize=4096)
-def data_file_name(rank: int, index: int) -> str:
+def data_file_name(rank: int, index: int, tag: str = "") -> str:
     """Name of a rank's data file (the DCP convention, so tools recognise it).
+
+    ``tag`` (hex digits of the save id; incremental writers, see :func:`save_tag`) makes the name
+    ``__<rank>_<index>.<tag>.distcp``, one that no other save writes: the stock
+    ``FileSystemWriter`` rewrites ``__<rank>_<index>.distcp`` in place, under an incremental
+    checkpoint that references it.
 
     Cached: every item of a file then refers to one string object, which pickle writes once
     in ``.metadata`` (100,000 items: one name instead of 100,000 copies, in the file and in
     memory while it is pickled)."""
-    return f"__{rank}_{index}.distcp"
+    return f"__{rank}_{index}.{tag}.distcp" if tag else f"__{rank}_{index}.distcp"
+
+
+SAVE_TAG_HEX = 16  # hex digits of the save id in an incremental writer's data file names
+
+
+def save_tag(save_id: str) -> str:
+    """The part of a save id that names its data files (incremental writers)."""
+    return save_id[:SAVE_TAG_HEX]
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from .commit import METADATA_FILE
+from .refcheck import check_references
 from .safetensors_format import SafetensorsCheckpointReader, is_safetensors_checkpoint
 from .verify import load_metadata, verify_checkpoint
 
@@ -33,6 +34,11 @@ def load(
     reads the whole checkpoint once more; with several ranks each rank verifies everything, so
     prefer verifying once, offline, at scale.
 
+    References to other checkpoints (incremental saves) are checked against their owners in
+    either case (:func:`~dcp_datastates.refcheck.check_references`: committed by the save that
+    wrote the referenced bytes, not rewritten by another writer since, files long enough); a
+    failed check raises IntegrityError naming the keys, the owner and file, and nothing is loaded.
+
     A checkpoint saved with ``format="safetensors"`` is read with
     :class:`~dcp_datastates.safetensors_format.SafetensorsCheckpointReader` (the stock
     ``FileSystemReader`` cannot read its tensors) unless ``storage_reader`` is given.
@@ -42,6 +48,8 @@ def load(
         rep = verify_checkpoint(path, raise_on_error=True)
         for what in rep.unverified:
             logger.warning("%s: not verified: %s", path, what)
+    if "://" not in path and os.path.isdir(path):
+        check_references(path)
     if "storage_reader" not in kwargs and "://" not in path:
         md_path = os.path.join(path, METADATA_FILE)
         if os.path.exists(md_path):

@@ -47,6 +47,10 @@ class ItemRecord:
     transform: list[str] | None = None
     decoded_bytes: int = 0
     decoded_crc: int = 0
+    # With ``ref``: the save id of the owner's manifest that recorded the bytes (the save that was
+    # referenced; checked before the reference is trusted, dcp_datastates.refcheck). None in
+    # manifests written before it was recorded.
+    ref_save_id: str | None = None
 
 
 @dataclass
@@ -143,6 +147,8 @@ def _item_json(rec: ItemRecord) -> str:
             ',"transform":[' + ",".join([_quote(t) for t in rec.transform]) + "]"
             f',"decoded_bytes":{int(rec.decoded_bytes)},"decoded_crc":{int(rec.decoded_crc)}'
         )
+    if rec.ref_save_id is not None:
+        ref += ',"ref_save_id":' + _quote(rec.ref_save_id)
     return (
         f'{{"fqn":{_quote(rec.fqn)},"offset":{offset},"file":{_quote(rec.file)},'
         f'"archive_offset":{int(rec.archive_offset)},"archive_length":{int(rec.archive_length)},'
@@ -181,7 +187,7 @@ def _item(it: Any, i: int) -> ItemRecord:
         fqn, file, dtype, shape, chunks_raw = (
             get("fqn"), get("file"), get("dtype"), get("shape"), get("chunks")
         )
-        offset, ref = get("offset"), get("ref")
+        offset, ref, ref_save_id = get("offset"), get("ref"), get("ref_save_id")
         if get("transform") is not None:
             return _item_checked(it, i)  # transformed items: few, checked field by field
         ints = (get("archive_offset"), get("archive_length"), get("payload_offset"),
@@ -194,6 +200,7 @@ def _item(it: Any, i: int) -> ItemRecord:
             and _nonneg_ints(shape)
             and (offset is None or _nonneg_ints(offset))
             and (ref is None or type(ref) is str)
+            and (ref_save_id is None or type(ref_save_id) is str)
             and type(chunks_raw) is list
             and all(_nonneg_ints(c) and len(c) == 3 for c in chunks_raw)
         ):
@@ -209,6 +216,7 @@ def _item(it: Any, i: int) -> ItemRecord:
                 shape=list(shape),
                 chunks=[(c[0], c[1], c[2]) for c in chunks_raw],
                 ref=ref,
+                ref_save_id=ref_save_id,
             )
     return _item_checked(it, i)
 
@@ -244,8 +252,12 @@ def _item_checked(it: Any, i: int) -> ItemRecord:
             decoded[name] = _field(it, name, int, where)
             if decoded[name] < 0:
                 raise ValueError(f"{where}field '{name}' is negative")
+    ref_save_id = it.get("ref_save_id")
+    if ref_save_id is not None and not isinstance(ref_save_id, str):
+        raise ValueError(f"{where}field 'ref_save_id' is not a str: {ref_save_id!r:.80}")
     return ItemRecord(
         ref=ref,
+        ref_save_id=ref_save_id,
         transform=None if transform is None else list(transform),
         **decoded,
         fqn=fqn,

@@ -45,7 +45,7 @@ from .extensions import write_transformed
 from .fsspec_sink import SinkItem, write_sequential
 from .gcpause import gc_paused
 from .incremental import StageInfo, Tracker
-from .layout import FileLayout, TemplateCache, data_file_name
+from .layout import FileLayout, TemplateCache, data_file_name, save_tag
 from .manifest import ItemRecord, encode_manifest
 from .safetensors_format import write_safetensors
 
@@ -116,6 +116,13 @@ class Placer:
         self.config = config
         self._incremental = incremental  # incremental saves (dcp_datastates.incremental)
         self._extensions = extensions  # stream transforms (dcp_datastates.extensions)
+
+    def _file_tag(self, ctx: SaveContext) -> str:
+        """The tag in this save's data file names (``data_file_name``). An incremental writer's
+        files carry the save's tag (``__<rank>_<i>.<tag>.distcp``): later checkpoints reference
+        them, and no other save (the stock ``FileSystemWriter`` saving to the same directory
+        rewrites ``__<rank>_<i>.distcp`` in place) writes that name. Others: none."""
+        return save_tag(ctx.save_id) if self._incremental is not None else ""
 
     def early_applies(self, job: SaveJob) -> bool:
         """Whether :meth:`place_early` would place ``job`` (the conditions of
@@ -203,6 +210,8 @@ class Placer:
     ) -> tuple[list[WriteResult], PendingWrite]:
         d = ctx.directory()
         d.ensure_exists()
+        tag = self._file_tag(ctx)
+        rank = ctx.rank
         eng = self._engine
         early: EarlyPlacement | None = job.early
         copy_early = False  # the early files could not be linked: copied after the flush
@@ -234,7 +243,7 @@ class Placer:
 
         def fid(f: int) -> int:
             if f not in file_ids:
-                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(ctx.rank, f)))
+                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(rank, f, tag)))
             return file_ids[f]
 
         # Tensor items in the order their bytes land: those copied at the save call first (they
@@ -272,7 +281,7 @@ class Placer:
                     else:
                         sink[f].append(SinkItem(offset=off, data=raw))
                     bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
-                    results.append(write_result(item, data_file_name(ctx.rank, f), off, len(raw)))
+                    results.append(write_result(item, data_file_name(rank, f, tag), off, len(raw)))
                     continue
                 cap = caps[id(item)]
                 if cap is not None and cap.incr is not None and cap.incr.ref is not None:
@@ -295,7 +304,7 @@ class Placer:
                     f, start, payload = pre
                     placed.append((item, cap, f, start, payload))
                     results.append(
-                        write_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes)
+                        write_result(item, data_file_name(rank, f, tag), start, tmpl.total_bytes)
                     )
                     continue
                 f, start, payload = layout.place_tensor(tmpl)
@@ -321,7 +330,7 @@ class Placer:
                     )
                 placed.append((item, cap, f, start, payload))
                 results.append(
-                    write_result(item, data_file_name(ctx.rank, f), start, tmpl.total_bytes)
+                    write_result(item, data_file_name(ctx.rank, f, tag), start, tmpl.total_bytes)
                 )
         if added_late:
             eng.start_copies(job.engine_job)
@@ -331,7 +340,7 @@ class Placer:
             # Not linked (copied later): write into the unnamed file, through its descriptor.
             unnamed = unlinked_fds.get(f)
             fd = unnamed if unnamed is not None else os.open(
-                d.join(data_file_name(ctx.rank, f)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                d.join(data_file_name(ctx.rank, f, tag)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             )
             try:
                 os.pwrite(fd, tmpl.prefix, start)
@@ -346,7 +355,7 @@ class Placer:
 
         for f, items in sink.items():
             for e, c, off, n, crc in write_sequential(
-                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f)), items,
+                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f, tag)), items,
                 part_bytes=self.config.part_bytes, concurrency=self.config.upload_concurrency,
             ):
                 ext_records.append((e, c, f, off, n, crc))
@@ -473,13 +482,14 @@ class Placer:
     ) -> Iterator[ItemRecord]:
         """This rank's manifest records, one at a time: every placed item with its chunk records
         (offsets, CRCs), then the bytes items."""
+        tag = self._file_tag(ctx)
         for item, cap, f, start, payload in placed:
             tmpl = self._templates.get(cap.dtype, cap.shape)
             got = chunks.get(cap.entry)
             yield ItemRecord(
                 fqn=item.index.fqn,
                 offset=list(item.index.offset) if item.index.offset is not None else None,
-                file=data_file_name(ctx.rank, f),
+                file=data_file_name(ctx.rank, f, tag),
                 archive_offset=start,
                 archive_length=tmpl.total_bytes,
                 payload_offset=payload,
@@ -492,7 +502,7 @@ class Placer:
             yield ItemRecord(
                 fqn=item.index.fqn,
                 offset=None,
-                file=data_file_name(ctx.rank, f),
+                file=data_file_name(ctx.rank, f, tag),
                 archive_offset=off,
                 archive_length=n,
                 payload_offset=off,

@@ -16,6 +16,14 @@ What takes the stock path (``FileSystemReader.read_data``, no checksum): checkpo
 our manifests (any other DCP checkpoint), items a manifest does not describe exactly as
 ``.metadata`` does, and non-local paths. The stock ``dcp.load`` keeps reading our checkpoints.
 
+References (items of an incremental save whose bytes live in a sibling checkpoint, the *owner*)
+are read natively from ``../<owner>/<file>``, with the CRC-32C the referring manifest recorded.
+Before anything is read, every reference in the plan is checked against its owner
+(:mod:`dcp_datastates.refcheck`: committed, by the save that wrote the referenced bytes, not
+rewritten by another writer since, the file long enough); a reference that fails raises
+:class:`~dcp_datastates.errors.IntegrityError` naming the keys, the owner and file, and what
+differs, and no target is written.
+
 Memory: a read item that is a whole saved chunk and whose target is a contiguous CPU tensor of
 the same dtype is read straight into the target. Other items (resharded parts, other dtypes,
 CUDA targets) are read into temporary CPU tensors in batches of at most ``buffer_size`` bytes
@@ -23,6 +31,13 @@ CUDA targets) are read into temporary CPU tensors in batches of at most ``buffer
 copied, the next is read, so at most two batches of temporaries exist. Temporaries of CUDA
 targets are pinned (page-locked) where possible and copied asynchronously in the current
 stream's order; ``read_data`` synchronizes those devices before it returns.
+
+Targets count as modified: every tensor the load writes into has its version counter bumped
+before the first byte lands in it (and, for reads straight into the target, once more after the
+read), as an in-place op would. The native reads are invisible to torch; without this, a lazy save
+whose source the load overwrites would commit the loaded values, and an incremental save after a
+rollback would keep referencing the bytes the tensor held before the load
+(:func:`mark_modified`). Inference tensors have no version counter and are not marked.
 
 Failures: a checksum mismatch, a truncated file or an I/O error raises
 :class:`~dcp_datastates.errors.IntegrityError` (damage) or ``OSError`` naming the tensor, the
@@ -51,7 +66,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -66,7 +81,9 @@ from .commit import MANIFEST_PREFIX
 from .config import parse_size
 from .errors import IntegrityError
 from .gcpause import ProtocolPause
+from .incremental import is_reference_path, relative_path
 from .manifest import ItemRecord, RankManifest
+from .refcheck import OwnerChecks, may_be_rewritten, reference_error
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +144,7 @@ class DataStatesReader(FileSystemReader):
         self._records: dict[_Key, ItemRecord] = {}
         self._checksummed: set[_Key] = set()
         self._metadata: Metadata | None = None
+        self._owner_checks = OwnerChecks()
         self._gc_pause: ProtocolPause | None = None
         #: What the last ``read_data`` did: items read natively / by the stock path, bytes.
         self.last_read: dict[str, int] = {}
@@ -138,6 +156,7 @@ class DataStatesReader(FileSystemReader):
         self._records = {}
         self._checksummed = set()
         self._metadata = None
+        self._owner_checks = OwnerChecks()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # The load's per-item work (unpickling .metadata, DCP's planning, our manifests) makes
@@ -180,6 +199,7 @@ class DataStatesReader(FileSystemReader):
             self._end_gc_pause()
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._check_references(plan)  # before anything is written into a target
         native: dict[MetadataIndex, _Chunk] = {}
         byte_items: list[tuple[ReadItem, ItemRecord]] = []
         rest: list[ReadItem] = []
@@ -200,7 +220,8 @@ class DataStatesReader(FileSystemReader):
                 else:
                     ch.reqs.append(req)
         if rest:
-            super().read_data(LoadPlan(rest, plan.storage_data), planner).wait()
+            marking = cast(LoadPlanner, _MarkingPlanner(planner))
+            super().read_data(LoadPlan(rest, plan.storage_data), marking).wait()
         for req, rec in byte_items:
             self._read_bytes(req, rec, planner)
         nbytes = self._read_tensors(list(native.values()), planner)
@@ -238,6 +259,36 @@ class DataStatesReader(FileSystemReader):
                 if m.checksums:
                     self._checksummed.add(key)
 
+    def _check_references(self, plan: LoadPlan) -> None:
+        """Raises IntegrityError if an item of the plan refers to another checkpoint (an
+        incremental save) that is not the one referenced: not committed, rewritten by another
+        writer, saved again, or its data file missing or short (:mod:`dcp_datastates.refcheck`).
+        Each chunk's CRC-32C is checked as it is read (``verify``)."""
+        if not self._local_dir():
+            return
+        root = os.fspath(self.path)
+        problems: dict[str, list[str]] = {}
+        for req in plan.items:
+            info: _StorageInfo | None = self.storage_data.get(req.storage_index)
+            rel = getattr(info, "relative_path", None)
+            if not isinstance(rel, str) or not is_reference_path(rel):
+                continue
+            idx = req.storage_index
+            rec = self._records.get(
+                (idx.fqn, tuple(idx.offset) if idx.offset is not None else None)
+            )
+            if rec is not None and rec.ref is not None and relative_path(rec) == rel:
+                why = self._owner_checks.item_problem(root, rec)
+            elif may_be_rewritten(os.path.basename(rel)):  # no manifest record: its owner
+                why = self._owner_checks.commit_problem(os.path.join(root, os.path.dirname(rel)))
+            else:
+                why = None  # a file named after its save: the read checks it is there
+            if why is not None:
+                keys = problems.setdefault(why, [])
+                keys.append(f"'{idx.fqn}' ({rel[3:]})")
+        if problems:
+            raise IntegrityError(reference_error(root, problems))
+
     def _local_dir(self) -> bool:
         # Only a local directory: fsspec paths (FsspecReader) are not this class anyway.
         return isinstance(self.path, (str, os.PathLike)) and os.path.isdir(os.fspath(self.path))
@@ -253,11 +304,12 @@ class DataStatesReader(FileSystemReader):
         info: _StorageInfo | None = self.storage_data.get(index)
         if (
             info is None
-            or info.relative_path != rec.file
+            or info.relative_path != relative_path(rec)
             or info.offset != rec.archive_offset
             or info.length != rec.archive_length
             or info.transform_descriptors
             or os.sep in rec.file
+            or (rec.ref is not None and not is_reference_path(relative_path(rec)))
             or sum(c[1] for c in rec.chunks) != rec.payload_bytes
         ):
             return None
@@ -286,7 +338,7 @@ class DataStatesReader(FileSystemReader):
 
     # -- reading ------------------------------------------------------------------------------
     def _read_bytes(self, req: ReadItem, rec: ItemRecord, planner: LoadPlanner) -> None:
-        path = os.path.join(os.fspath(self.path), rec.file)
+        path = os.path.join(os.fspath(self.path), relative_path(rec))
         with open(path, "rb") as f:
             data = os.pread(f.fileno(), rec.archive_length, rec.archive_offset)
         if len(data) != rec.archive_length:
@@ -403,6 +455,7 @@ class DataStatesReader(FileSystemReader):
             and not target.is_neg()
             and target.layout == torch.strided
         ):
+            mark_modified(target)  # before the read lands in it (lazy saves see the change)
             ch.dst = target
             ch.direct = True
         else:
@@ -426,10 +479,11 @@ class DataStatesReader(FileSystemReader):
             assert ch.dst is not None
             if rec.payload_bytes == 0:
                 continue
-            fid = path_ids.get(rec.file)
+            where = relative_path(rec)  # ../<owner>/<file> for a reference (checked before)
+            fid = path_ids.get(where)
             if fid is None:
-                fid = path_ids[rec.file] = len(paths)
-                paths.append(os.path.join(root, rec.file))
+                fid = path_ids[where] = len(paths)
+                paths.append(os.path.join(root, where))
             base = ch.dst.data_ptr()
             checked = self.verify and (rec.fqn, _key_offset(rec)) in self._checksummed
             names.append(rec.fqn)
@@ -438,7 +492,7 @@ class DataStatesReader(FileSystemReader):
                 if rel < 0 or rel + n > rec.payload_bytes:
                     raise IntegrityError(
                         f"'{rec.fqn}': its manifest chunk [{off}, {off + n}) lies outside its "
-                        f"payload in {rec.file}: the manifest is damaged"
+                        f"payload in {where}: the manifest is damaged"
                     )
                 files.append(fid)
                 offsets.append(off)
@@ -468,6 +522,7 @@ class DataStatesReader(FileSystemReader):
     def _deliver(self, ch: _Chunk, planner: LoadPlanner, devices: set[torch.device]) -> None:
         assert ch.dst is not None
         if ch.direct:
+            mark_modified(ch.dst)  # and after: a save called during the read is not trusted
             planner.commit_tensor(ch.reqs[0], ch.dst)
             return
         for i, req in enumerate(ch.reqs):
@@ -480,6 +535,7 @@ class DataStatesReader(FileSystemReader):
                     f"'{req.storage_index.fqn}': the load plan wants shape {tuple(target.size())} "
                     f"but reads {tuple(src.size())} from the checkpoint"
                 )
+            mark_modified(target)  # before the copy (copy_ itself counts only once it is done)
             # From pinned memory into a GPU tensor: asynchronous, in the current stream's order
             # (later work on it waits); read_data synchronizes the device before it returns.
             if target.is_cuda and src.is_pinned():
@@ -492,8 +548,37 @@ class DataStatesReader(FileSystemReader):
         ch.target = None
 
 
+def mark_modified(t: torch.Tensor) -> None:
+    """Counts a write into ``t`` as an in-place modification: bumps its version counter (shared
+    with every alias and ``detach()`` of it), which incremental saves and lazy capture compare.
+
+    Called *before* a write torch does not see begins (a native read into the tensor's memory),
+    so that a lazy save whose copy may overlap the write finds the counter changed when it checks
+    its capture, and fails with CaptureError instead of committing a torn or loaded value.
+    Inference tensors have no version counter: nothing to mark.
+    """
+    if not t.is_inference():
+        torch.autograd.graph.increment_version(t)
+
+
+class _MarkingPlanner:
+    """A load planner whose ``resolve_tensor`` marks each target modified before the stock
+    reader copies into it (every other attribute is the wrapped planner's)."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner = planner
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self._planner.resolve_tensor(read_item)
+        mark_modified(target)
+        return target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
 def _key_offset(rec: ItemRecord) -> tuple[int, ...] | None:
     return tuple(rec.offset) if rec.offset is not None else None
 
 
-__all__ = ["DataStatesReader"]
+__all__ = ["DataStatesReader", "mark_modified"]

@@ -59,6 +59,7 @@ from .errors import CheckpointSaveError
 from .fsspec_sink import SinkItem, write_sequential
 from .layout import data_file_name
 from .manifest import ItemRecord, RankManifest
+from .reader import mark_modified
 
 if TYPE_CHECKING:
     from .capture import CapturedTensor, SaveJob
@@ -469,6 +470,7 @@ class SafetensorsCheckpointReader(FileSystemReader):
                         raise ValueError(
                             f"'{key.fqn}': read {list(src.size())}, expected {list(target.size())}"
                         )
+                    mark_modified(target)  # counted before the copy, as reader.py does
                     target.copy_(src)
                     planner.commit_tensor(req, target)
         if rest:

@@ -140,17 +140,19 @@ def test_manifest_json_is_unchanged_by_the_fast_serialiser() -> None:
             ItemRecord("b", None, "__1_1.distcp", 0, 9, 0, 9, "bytes", [], [(0, 9, 1)]),
         ],
     )
-    # what dataclasses.asdict gave, less the incremental-save field `ref` when it is unset
+    # what dataclasses.asdict gave, less the incremental-save fields `ref*` when they are unset
     expected = asdict(m)
     for it in expected["items"]:
-        del it["ref"]
+        del it["ref"], it["ref_save_id"]
     assert m.to_json() == json.dumps(expected, separators=(",", ":"))
     assert RankManifest.from_json(m.to_json()) == m
     empty = RankManifest(rank=0, checksums=False, save_id="é\"x", items=[])
     assert empty.to_json() == json.dumps(asdict(empty), separators=(",", ":"))
     m.items[0].ref = "step-1"  # a reference: kept, and the manifest becomes version 2
+    m.items[0].ref_save_id = "0123abcd"
     raw = json.loads(m.to_json())
     assert raw["items"][0]["ref"] == "step-1" and "ref" not in raw["items"][1]
+    assert raw["items"][0]["ref_save_id"] == "0123abcd" and "ref_save_id" not in raw["items"][1]
     assert raw["version"] == 2
     assert RankManifest.from_json(m.to_json()) == m
 
@@ -160,7 +162,7 @@ def test_manifest_streamed_in_pieces_is_the_same_text(batch: int) -> None:
     items = [
         ItemRecord(f"t{i}.é\"\\\n✓", [0, i], f"__0_{i % 2}.distcp", 10 * i, 10, 10 * i + 4, 4,
                    "float32", [1, 2 ** 40], [(10 * i + 4, 4, i), (0, 1, 2 ** 32 - 1)][: i % 3],
-                   ref="step-1" if i == 3 else None)
+                   ref="step-1" if i == 3 else None, ref_save_id="s\"1" if i == 3 else None)
         for i in range(5)
     ]
     items.append(ItemRecord("b", None, "__0_0.distcp", 0, 9, 0, 9, "bytes", [], [(0, 9, 1)]))
@@ -177,7 +179,7 @@ def test_manifest_streamed_in_pieces_is_the_same_text(batch: int) -> None:
     expected = asdict(m)
     for it in expected["items"]:
         if it["ref"] is None:
-            del it["ref"]
+            del it["ref"], it["ref_save_id"]
     expected["version"] = 2  # one item has a reference
     assert m.to_json() == json.dumps(expected, separators=(",", ":"))
     assert len(made) == 6 and len(pieces) == 2 + -(-6 // batch)
