@@ -29,6 +29,17 @@ class CheckpointBusyError(CheckpointSaveError):
     """Another save to the same checkpoint path is still in progress."""
 
 
+class CheckpointExistsError(CheckpointSaveError, FileExistsError):
+    """A writer with ``overwrite=False`` found a committed checkpoint (``.metadata``) at the
+    save's path; nothing was written or removed.
+
+    Its message begins with torch's own words for this refusal ("Checkpoint already exists"), and
+    it is a ``RuntimeError`` (the type ``FileSystemWriter`` raises) as well as a
+    ``FileExistsError``: code written against either keeps working. DCP raises it wrapped in its
+    ``CheckpointException``.
+    """
+
+
 class IntegrityError(DataStatesError):
     """A checkpoint's data does not match the checksums recorded in its manifest."""
 

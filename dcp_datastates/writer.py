@@ -96,7 +96,7 @@ from .config import CaptureMode, CheckpointFormat, WriterConfig, parse_size
 from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, release_claim
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
-from .errors import CheckpointSaveError, reraisable
+from .errors import CheckpointExistsError, CheckpointSaveError, reraisable
 from .gcpause import gc_paused
 from .incremental import IncrementalMode, Tracker, parse_mode
 from .jobs import (
@@ -194,8 +194,9 @@ class DataStatesWriter(StorageWriter):
         pin_memory: page-lock the cache with the CUDA runtime at construction (default: when
             CUDA is available; otherwise it happens on the first save of a CUDA tensor).
         overwrite: replace an existing checkpoint at the save's path (default, as
-            FileSystemWriter); False refuses the save on every rank (FileExistsError naming the
-            path) when ``.metadata`` is already there.
+            FileSystemWriter); False refuses the save on every rank (:class:`CheckpointExistsError`,
+            a ``RuntimeError`` and ``FileExistsError`` saying "Checkpoint already exists" as
+            FileSystemWriter does, naming the path and rank) when ``.metadata`` is already there.
         format: "torch" (default: torch.save archives, the stock ``dcp.load`` reads them) or
             "safetensors": each rank's tensors go into ``.safetensors`` files that
             ``safetensors.safe_open`` and torch's ``HuggingFaceStorageReader`` load; load the
@@ -683,9 +684,10 @@ class DataStatesWriter(StorageWriter):
             d = ctx.directory()
             if d.fs.exists(d.join(METADATA_FILE)):
                 ctx.end_gc_pause()
-                raise FileExistsError(
-                    f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
-                    f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
+                raise CheckpointExistsError(  # torch's words first (FileSystemWriter's refusal)
+                    f"Checkpoint already exists and overwrite=False: {ctx.path} holds a "
+                    f"committed checkpoint (rank {ctx.rank}); save to another checkpoint_id or "
+                    "use a DataStatesWriter with overwrite=True"
                 )
         # DCP pickles it (collectives, .metadata): planner.py, wire.py
         return compact_plan(share_equal_values(plan))
