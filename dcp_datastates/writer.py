@@ -414,11 +414,17 @@ class DataStatesWriter(StorageWriter):
                 logger.warning("%s", str(e))
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until every save in flight is durable (or failed). False on timeout.
+        """Blocks until every save in flight has ended: committed, or failed. False on timeout
+        (nothing raised then).
 
-        Then raises the error of a failed save that nobody has seen yet (not read from its
-        future, not raised by a barrier or an earlier ``wait``), once: a loop that never looks
-        at the futures of the plain call still learns of a failed save here.
+        Then raises the :class:`CheckpointSaveError` of a failed save whose error the caller has
+        not seen yet: not read from its future (``result()`` that raised, or ``exception()``),
+        not raised by a barrier or an earlier ``wait``. One per call, oldest first, each once;
+        whatever failed (the capture, the writes, the commit, another rank). So a loop that
+        never looks at the futures of the plain call still learns of a failed save here, and
+        one that reads them is not told twice. The future always carries its save's error,
+        whether or not ``wait`` raised it. (An ``exception()`` call already waiting when the
+        save's thread started is not noticed: ``wait`` may raise that error once more.)
 
         With ``persist_to`` it does not wait for the copies to the persistent tier (those never
         delay training): :meth:`wait_persisted` does, and raises their failures.
