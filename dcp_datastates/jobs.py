@@ -356,6 +356,9 @@ class JobTable:
     ) -> None:
         """Ends a staged job's protocol: fails it if its data was never written, drops it.
 
+        ``cause``: the save's error as its future holds it. A job whose data was written but whose
+        save failed afterwards (the commit, another rank) gets it as its error, queued for the next
+        barrier or ``wait()`` unless the caller has read it from the future.
         ``quiet``: nobody is waiting for that save's outcome; the barrier does not raise it.
         ``path``: the writer's default path, named when the job has no checkpoint id yet.
         """
