@@ -25,6 +25,7 @@ from .config import WriterConfig, parse_size
 from .errors import (
     CaptureError,
     CheckpointBusyError,
+    CheckpointExistsError,
     CheckpointSaveError,
     DataStatesError,
     IntegrityError,
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointSaveError",
     "DataStatesError",
     "DataStatesReader",

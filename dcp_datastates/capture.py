@@ -18,7 +18,9 @@ snapshot is taken (docs/architecture.md, "Exactness"; docs/configuration.md, ``c
   Each lazy tensor's version counter and storage are recorded; if the tensor was modified in
   place, or its storage freed or resized, before the barrier verified the capture, the save
   fails with :class:`CaptureError` instead of being written torn (the copy threads read through
-  the kernel, so a freed source is an error, not a crash).
+  the kernel, so a freed source is an error, not a crash). A tensor made under
+  ``torch.inference_mode()`` has no version counter, so it is never captured lazily: it is taken
+  at the call (host) or cloned on its device (CUDA) in every mode.
 * **spill** - state that must be taken at the call but cannot fit even once earlier saves have
   drained (this save alone needs more than the whole cache) is written at the call to an
   anonymous temporary file (:mod:`dcp_datastates.spill`), later copied into the data file by the
@@ -218,7 +220,7 @@ class SaveJob:
             st = t.source.untyped_storage()
             if st.data_ptr() != t.storage_ptr or st.nbytes() < t.storage_nbytes:
                 out.append(f"'{t.name}' (its storage was freed or resized)")
-            elif t.source._version != t.version:
+            elif _version(t.source) != t.version:
                 out.append(f"'{t.name}' (modified in place)")
         return out
 
@@ -381,7 +383,7 @@ class Stager:
                 cap = CapturedTensor(
                     name=names[i], staged=keys[i], source=src, entry=first + k,
                     nbytes=sizes[k], dtype=src.dtype, shape=tuple(src.shape), lazy=False,
-                    version=src._version, direct=True,
+                    version=0, direct=True,  # (lazy only; an inference tensor has none)
                 )
                 job.tensors.append(cap)
                 job.by_staged_id[id(keys[i])] = cap
@@ -455,7 +457,8 @@ class Stager:
             if owners and (on_cpu or v.is_cuda) and v.numel() > 0:
                 storage = v.untyped_storage()
                 owner = owners.get(storage.data_ptr())
-            lazy = owner is not None and may_lazy  # owned: copied later, its step() waits
+            # owned: copied later, its step() waits; never an inference tensor (see _stage_tensor)
+            lazy = owner is not None and may_lazy and not v.is_inference()
             at_call = on_cpu and owner is None  # nobody owns it: taken at the call
             if not (lazy or at_call):
                 staged[k] = self._walk(v, _join(path, k), job, owners, out)
@@ -518,6 +521,10 @@ class Stager:
             lazy_ok = False
         else:  # auto, owned
             lazy_ok = simple and owner is not None
+        if local.is_inference():
+            # No version counter: an in-place change under inference_mode before the copy
+            # could not be detected, so an inference tensor is always taken at the call.
+            lazy_ok = False
         on_cpu = local.is_cpu
         # Incremental saves: a tensor unchanged since the previous save is referenced, never
         # copied nor written (dcp_datastates.incremental decides).
@@ -742,7 +749,7 @@ class Stager:
             cap.lazy = True
             st = cap.source.untyped_storage()
             cap.storage_ptr, cap.storage_nbytes = st.data_ptr(), st.nbytes()
-            cap.version = cap.source._version
+            cap.version = _version(cap.source)
             job.lazy_owners.add(cap.owner)
         job.lazy_bytes += cap.nbytes
 
@@ -773,7 +780,7 @@ class Stager:
             dtype=source.dtype,
             shape=tuple(source.shape),
             lazy=lazy,
-            version=source._version,
+            version=_version(source) if lazy else 0,  # (an inference tensor has none)
             direct=direct,
         )
         job.tensors.append(cap)
@@ -813,6 +820,14 @@ def _direct_source(t: torch.Tensor) -> torch.Tensor:
     ):
         return t
     return t.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version``, or 0 for an inference tensor, which has no version counter (reading it
+    raises outside inference_mode). Such a tensor is never captured lazily on purpose: only a
+    lazy copy left over when spilling failed relies on this value, and it cannot see an in-place
+    change made under inference_mode (the storage checks still apply)."""
+    return 0 if t.is_inference() else t._version
 
 
 def _join(path: str, key: Any) -> str:

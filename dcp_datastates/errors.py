@@ -1,9 +1,10 @@
 """Exceptions raised by dcp_datastates.
 
-Every failure of a save surfaces as a :class:`CheckpointSaveError` (on the save's future, at the
-next barrier, or at the next save), naming what failed: the checkpoint path, the rank and, where
-one is involved, the tensor. Bad arguments raise ``ValueError``/``TypeError`` before anything is
-written.
+Every failure of a save surfaces as a :class:`CheckpointSaveError` naming what failed: the
+checkpoint path, the rank and, where one is involved, the tensor. It is on the save's future, and
+raised once more by the next explicit barrier or ``DataStatesWriter.wait()`` unless the caller
+read it from the future (a later save only logs it). Bad arguments raise
+``ValueError``/``TypeError`` before anything is written.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ class CaptureError(CheckpointSaveError):
 
 class CheckpointBusyError(CheckpointSaveError):
     """Another save to the same checkpoint path is still in progress."""
+
+
+class CheckpointExistsError(CheckpointSaveError, FileExistsError):
+    """A writer with ``overwrite=False`` found a committed checkpoint (``.metadata``) at the
+    save's path; nothing was written or removed.
+
+    Its message begins with torch's own words for this refusal ("Checkpoint already exists"), and
+    it is a ``RuntimeError`` (the type ``FileSystemWriter`` raises) as well as a
+    ``FileExistsError``: code written against either keeps working. DCP raises it wrapped in its
+    ``CheckpointException``.
+    """
 
 
 class IntegrityError(DataStatesError):

@@ -13,7 +13,9 @@ When a tensor is referenced (all must hold; otherwise it is written as usual):
 * incremental saves are on for the writer, and the tensor is not owned by a known optimizer (its
   parameters and state change at every ``step()``: frozen weights and buffers are candidates);
 * it is a contiguous CPU tensor (or, with ``incremental=True``, a contiguous CUDA tensor) without
-  conjugate/negative bits, and not empty;
+  conjugate/negative bits, not empty, and not an inference tensor (made under
+  ``torch.inference_mode()``: it has no version counter, so both modes write it in full at every
+  save rather than trust an identity that cannot see its in-place changes);
 * the previous save of this writer on this rank saved it under the same name, and since that
   save's call it has the *same storage* (the same live storage object, data pointer and size),
   the *same version counter value*, dtype, shape, strides and storage offset;
@@ -311,8 +313,8 @@ class Tracker:
         ``valid`` caches owner checks for one save call. The returned info has ``ref`` set if
         the tensor may be referenced instead of copied and written.
         """
-        if owned or not simple or local.numel() == 0:
-            return None
+        if owned or not simple or local.numel() == 0 or local.is_inference():
+            return None  # (an inference tensor has no version counter: always written)
         dev = local.device.type
         if dev != "cpu" and not (dev == "cuda" and self.mode == "trust"):
             return None

@@ -16,7 +16,9 @@ A save job (:class:`dcp_datastates.capture.SaveJob`) is created by ``stage()`` (
 * errors reported once per channel: always on the save's future; once at the next explicit
   barrier or ``wait()`` unless the caller read it from the future already
   (:class:`SeenTrackingFuture` notes ``exception()`` reads, :func:`raised_by_result` recognises
-  ``result()`` raises).
+  ``result()`` raises). Every failure counts, whatever failed: the capture, the writes, or,
+  after the data was durable, the commit or another rank (:meth:`JobTable.release_job` learns
+  of those from the future).
 
 Threads and locks: the table's ``lock`` (re-entrant; the writer shares it) guards the job lists,
 the thread map and the error queue; ``idle`` (a condition on it) is notified whenever a job is
@@ -354,6 +356,9 @@ class JobTable:
     ) -> None:
         """Ends a staged job's protocol: fails it if its data was never written, drops it.
 
+        ``cause``: the save's error as its future holds it. A job whose data was written but whose
+        save failed afterwards (the commit, another rank) gets it as its error, queued for the next
+        barrier or ``wait()`` unless the caller has read it from the future.
         ``quiet``: nobody is waiting for that save's outcome; the barrier does not raise it.
         ``path``: the writer's default path, named when the job has no checkpoint id yet.
         """
@@ -377,6 +382,20 @@ class JobTable:
             with self.lock:
                 if job in self._unreported:  # the barrier checks whether result() raised it
                     self._future_errors[id(job)] = cause
+                elif job.error is None and not job.error_reported:
+                    # Its data was durable, then the save failed (the commit, another rank, DCP
+                    # after write_data): unseen, it is reported like any other failure.
+                    err = CheckpointSaveError(
+                        f"save to {job.checkpoint_id or path or '<no path>'} failed on rank "
+                        f"{max(job.rank, 0)} after its data was written: {describe_cause(cause)}"
+                    )
+                    job.error = err
+                    self._unreported.append(job)
+                    self._future_errors[id(job)] = cause
+                    for s in reversed(self.stats):  # its stats were recorded as a success
+                        if s.checkpoint_id == (job.checkpoint_id or "") and s.error is None:
+                            s.error = str(err)
+                            break
         self.drop_job(job)
         job.discard_payload()
 

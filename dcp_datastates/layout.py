@@ -6,10 +6,16 @@ contiguous CPU tensor is a zip whose bytes are ``prefix + payload + suffix``, wh
 suffix depend only on dtype and shape. So the writer builds the template once per (dtype, shape)
 with ``torch.serialization.skip_data()`` (nothing is copied), and the engine writes the payload
 straight from the host cache between the prefix and suffix bytes.
+
+Building a template allocates nothing the size of the tensor, not even address space: the
+prototype ``torch.save`` describes is a CPU tensor over a storage that claims the payload's size
+but maps no memory of its own (:func:`_prototype`). A job limited with ``RLIMIT_AS`` saves a
+tensor larger than its remaining address space (``tests/test_memory_bound.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import struct
@@ -93,17 +99,46 @@ class _SparseFile(io.RawIOBase):
         return data
 
 
+# PyMemoryView_FromMemory(address, size, flags): a memoryview of ``size`` bytes at ``address``
+# that neither allocates nor owns them. (ctypes arrays would do too, but ctypes caches one array
+# type per length, forever.)
+_MEMORYVIEW_FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
+_MEMORYVIEW_FROM_MEMORY.restype = ctypes.py_object
+_MEMORYVIEW_FROM_MEMORY.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200  # writable: torch.frombuffer warns on a read-only buffer
+_ANCHOR = ctypes.create_string_buffer(64)  # the address every prototype's storage claims
+
+
+def _prototype(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous CPU tensor of ``dtype`` and ``shape`` for ``torch.save`` under
+    ``skip_data()``, which reads its metadata and its storage's size but never its bytes.
+
+    Its storage claims ``numel * itemsize`` bytes at the address of a 64-byte buffer: nothing is
+    allocated or mapped (``torch.empty`` reserved the whole size, which fails under
+    ``RLIMIT_AS``). Its bytes must never be read: it lives only inside :func:`build_template`.
+    """
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    view = _MEMORYVIEW_FROM_MEMORY(ctypes.addressof(_ANCHOR), nbytes, _PYBUF_WRITE)
+    return torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveTemplate:
     """Builds the archive template of a contiguous CPU tensor of ``dtype`` and ``shape``.
 
-    Touches no tensor-sized memory: the prototype's pages are never faulted in and the payload
-    gap of the archive is never materialised.
+    Touches no tensor-sized memory and reserves no tensor-sized address space: the prototype
+    has no payload memory (:func:`_prototype`) and the payload gap of the archive is never
+    materialised (:class:`_SparseFile`).
     """
-    proto = torch.empty(shape, dtype=dtype)  # never touched: no pages are faulted in
+    proto = _prototype(dtype, shape)
     buf = _SparseFile()
     with skip_data():
         torch.save(proto, buf)  # type: ignore[arg-type]  # a seekable binary file
     nbytes = proto.numel() * proto.element_size()
+    del proto  # (its storage must not outlive this call: its bytes are not its own)
     total = buf.seek(0, 2)
     buf.seek(0)
     with zipfile.ZipFile(buf) as z:

@@ -99,7 +99,7 @@ from .contexts import ContextHolder, SaveContext, claim_path, end_context_cb, re
 from .cpuload import CpuMeter
 from .dcplog import skip_unheard_debug_events
 from .engine import Engine
-from .errors import CheckpointSaveError, reraisable
+from .errors import CheckpointExistsError, CheckpointSaveError, reraisable
 from .extensions import check_extensions
 from .gcpause import gc_paused
 from .incremental import IncrementalMode, Tracker, parse_mode
@@ -202,8 +202,9 @@ class DataStatesWriter(StorageWriter):
         pin_memory: page-lock the cache with the CUDA runtime at construction (default: when
             CUDA is available; otherwise it happens on the first save of a CUDA tensor).
         overwrite: replace an existing checkpoint at the save's path (default, as
-            FileSystemWriter); False refuses the save on every rank (FileExistsError naming the
-            path) when ``.metadata`` is already there.
+            FileSystemWriter); False refuses the save on every rank (:class:`CheckpointExistsError`,
+            a ``RuntimeError`` and ``FileExistsError`` saying "Checkpoint already exists" as
+            FileSystemWriter does, naming the path and rank) when ``.metadata`` is already there.
         format: "torch" (default: torch.save archives, the stock ``dcp.load`` reads them) or
             "safetensors": each rank's tensors go into ``.safetensors`` files that
             ``safetensors.safe_open`` and torch's ``HuggingFaceStorageReader`` load; load the
@@ -436,11 +437,17 @@ class DataStatesWriter(StorageWriter):
                 logger.warning("%s", str(e))
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until every save in flight is durable (or failed). False on timeout.
+        """Blocks until every save in flight has ended: committed, or failed. False on timeout
+        (nothing raised then).
 
-        Then raises the error of a failed save that nobody has seen yet (not read from its
-        future, not raised by a barrier or an earlier ``wait``), once: a loop that never looks
-        at the futures of the plain call still learns of a failed save here.
+        Then raises the :class:`CheckpointSaveError` of a failed save whose error the caller has
+        not seen yet: not read from its future (``result()`` that raised, or ``exception()``),
+        not raised by a barrier or an earlier ``wait``. One per call, oldest first, each once;
+        whatever failed (the capture, the writes, the commit, another rank). So a loop that
+        never looks at the futures of the plain call still learns of a failed save here, and
+        one that reads them is not told twice. The future always carries its save's error,
+        whether or not ``wait`` raised it. (An ``exception()`` call already waiting when the
+        save's thread started is not noticed: ``wait`` may raise that error once more.)
 
         With ``persist_to`` it does not wait for the copies to the persistent tier (those never
         delay training): :meth:`wait_persisted` does, and raises their failures.
@@ -706,9 +713,10 @@ class DataStatesWriter(StorageWriter):
             d = ctx.directory()
             if d.fs.exists(d.join(METADATA_FILE)):
                 ctx.end_gc_pause()
-                raise FileExistsError(
-                    f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
-                    f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
+                raise CheckpointExistsError(  # torch's words first (FileSystemWriter's refusal)
+                    f"Checkpoint already exists and overwrite=False: {ctx.path} holds a "
+                    f"committed checkpoint (rank {ctx.rank}); save to another checkpoint_id or "
+                    "use a DataStatesWriter with overwrite=True"
                 )
         # DCP pickles it (collectives, .metadata): planner.py, wire.py
         return compact_plan(share_equal_values(plan))

@@ -177,6 +177,29 @@ def test_archive_template_matches_torch_save() -> None:
         assert torch.equal(back, t)
 
 
+
+def test_archive_template_is_byte_identical_to_a_real_tensors_archive() -> None:
+    """The template's prototype maps no payload memory (layout._prototype); torch.save of a
+    real tensor of the same dtype and shape (under skip_data, as the template: no payload CRC)
+    gives the same bytes around the payload, for the dtypes torch pickles by both of its
+    formats (TypedStorage and UntypedStorage + dtype)."""
+    import io
+
+    from torch.serialization import skip_data
+
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64,
+              torch.uint16, torch.uint32, torch.float8_e4m3fn, torch.bool, torch.complex64]
+    for dtype in dtypes:
+        for shape in [(), (0,), (3, 5), (2, 0, 3), (7, 1, 3)]:
+            real = torch.zeros(shape, dtype=dtype)
+            buf = io.BytesIO()
+            with skip_data():
+                torch.save(real, buf)  # the payload's gap reads back as zeros
+            tmpl = build_template(dtype, shape)
+            assert tmpl.payload_bytes == real.nbytes
+            payload = bytes(real.nbytes)
+            assert tmpl.prefix + payload + tmpl.suffix == buf.getvalue(), (dtype, shape)
+
 def _small_items_job(
     eng: Any, tmp_path: Any, name: str, n: int, seed: int, direct: bool = True
 ) -> tuple[int, list[str], list[bytearray], list[np.ndarray]]:

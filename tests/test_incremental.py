@@ -108,6 +108,30 @@ def writer_factory(tmp_path: Path):
         w.close()
 
 
+@pytest.mark.parametrize("mode", [True, "verify"])
+def test_inference_tensors_are_written_at_every_save(tmp_path: Path, writer_factory, mode):
+    """An inference tensor has no version counter: an in-place change under inference_mode
+    between two saves is invisible to the identity check, so such tensors are never
+    referenced (both modes) and the second save holds the changed bytes. A plain frozen tensor
+    next to it is still referenced."""
+    w = writer_factory(incremental=mode)
+    frozen = torch.randn(256)
+    with torch.inference_mode():
+        inf = torch.randn(256)
+    state = {"frozen": frozen, "inf": inf}
+    _save(w, state, tmp_path / "step-1")
+    with torch.inference_mode():
+        inf.add_(1.0)
+    want = {k: v.clone() for k, v in state.items()}
+    _save(w, state, tmp_path / "step-2")
+    assert w._incremental is not None
+    assert w._incremental.last_referenced_bytes == frozen.nbytes  # frozen only, not inf
+    got = {k: torch.zeros(256) for k in state}
+    dcp.load(got, checkpoint_id=str(tmp_path / "step-2"))
+    for k in state:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_lora_second_save_writes_only_adapters_and_optimizer(tmp_path: Path, writer_factory):
     model, opt = _make()
     w = writer_factory()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,55 @@ def test_bigtensor_state_holds_a_tensor_three_times_the_cache() -> None:
     assert MemoryRow("lazy", "mixed", STATE_BYTES).cache_bytes == 32 * MiB
     with pytest.raises(ValueError, match="unknown mode"):
         MemoryRow("lazzy", "mixed", MiB)
+
+
+_ADDRESS_SPACE_CHILD = r"""
+import os, resource, sys
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_datastates import DataStatesWriter
+
+root, nbytes, margin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+# Everything that maps memory once per process first: the writer with its cache and threads,
+# then one save of each kind (DCP's save thread, its malloc arena, lazily imported modules).
+w = DataStatesWriter(root, "16MiB", chunk_size="4MiB", capture="lazy",
+                     copy_threads=1, flush_threads=1)
+small = {"warm": torch.ones(1024)}
+dcp.async_save(small, storage_writer=w, checkpoint_id=os.path.join(root, "warm-a")).result(60)
+dcp.save(small, storage_writer=w, checkpoint_id=os.path.join(root, "warm-s"))
+t = torch.arange(nbytes // 4, dtype=torch.int32)  # allocated before the limit
+limit = vm_size() + margin  # less room than the tensor's size
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+try:
+    dcp.async_save({"t": t}, storage_writer=w, checkpoint_id=os.path.join(root, "lazy")).result(60)
+    dcp.save({"t": t.view(2, -1)}, storage_writer=w, checkpoint_id=os.path.join(root, "sync"))
+    assert w.wait(timeout=60)
+    peak = vm_size()
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+w.close()
+for name, shape in (("lazy", t.shape), ("sync", (2, t.numel() // 2))):
+    out = {"t": torch.zeros(shape, dtype=torch.int32)}
+    dcp.load(out, checkpoint_id=os.path.join(root, name))
+    assert torch.equal(out["t"].view(-1), t), name
+print(f"OK limit={limit} peak={peak}")
+"""
+
+
+def test_save_under_an_address_space_limit_smaller_than_the_tensor(tmp_path: Path) -> None:
+    """A job limited with RLIMIT_AS saves a tensor larger than the address space it has left
+    (a lazy async_save and a dcp.save): building the tensor's archive header and trailer
+    reserves nothing the tensor's size. Both checkpoints load bit for bit."""
+    nbytes, margin = 128 * MiB, 64 * MiB
+    proc = subprocess.run(
+        [sys.executable, "-c", _ADDRESS_SPACE_CHILD, str(tmp_path), str(nbytes), str(margin)],
+        capture_output=True, text=True, timeout=ROW_TIMEOUT_S,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]

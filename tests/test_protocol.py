@@ -213,6 +213,57 @@ def test_unread_error_is_raised_once_by_wait(tmp_path: Any, make_writer: Any) ->
     with pytest.raises(CheckpointSaveError, match="before its data was written.*exploded"):
         w.wait(timeout=T)
     assert w.wait(timeout=T)
+
+
+def test_wait_raises_each_unseen_failure_once_whatever_failed(
+    tmp_path: Any, make_writer: Any, monkeypatch: Any
+) -> None:
+    """wait()'s contract: every failed save whose error the caller has not seen (not read from
+    its future, not raised by a barrier or an earlier wait) is raised once, one per call,
+    oldest first, whatever failed: here a commit (.metadata: ENOSPC) after the data was
+    durable, then a planner. One read from the future (exception() or result()) is not raised
+    again. The future always carries it."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/.metadata.tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    w: DataStatesWriter = make_writer()
+
+    def commit_fails(name: str) -> concurrent.futures.Future[Any]:
+        return dcp.async_save({"x": torch.ones(64)}, storage_writer=w,
+                              checkpoint_id=str(tmp_path / name))
+
+    unread = [commit_fails("commit"), _failing_save("planner-raises", w, str(tmp_path / "plan"))]
+    concurrent.futures.wait(unread, timeout=T)
+    assert all(f.done() for f in unread)
+    with pytest.raises(CheckpointSaveError, match="commit failed on rank 0 after its data was "
+                       "written: .*No space left on device.*metadata"):
+        w.wait(timeout=T)
+    with pytest.raises(CheckpointSaveError, match="before its data was written.*exploded"):
+        w.wait(timeout=T)
+    assert w.wait(timeout=T)  # each once
+    assert w.wait_captured(timeout=T)  # nor again at the barrier
+    with pytest.raises(BaseException, match="No space left on device"):
+        unread[0].result(timeout=0)  # the future still carries it
+    stats = [s for s in w.save_stats() if s["checkpoint_id"].endswith("commit")]
+    assert stats and "No space left on device" in (stats[-1]["error"] or "")
+
+    read = commit_fails("read-exception")
+    concurrent.futures.wait([read], timeout=T)  # (an exception() already waiting when the save
+    assert read.exception(timeout=0) is not None  # thread starts goes unnoticed: see wait())
+    assert w.wait(timeout=T)
+    read = commit_fails("read-result")
+    with pytest.raises(BaseException, match="No space left on device"):
+        read.result(timeout=T)
+    assert w.wait(timeout=T)
+    assert not any((tmp_path / n / ".metadata").exists()
+                   for n in ("commit", "read-exception", "read-result"))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    healthy_save(w, str(tmp_path / "good"))  # the writer keeps working
     assert w.wait_captured(timeout=T)
     healthy_save(w, str(tmp_path / "good"))
 

@@ -149,6 +149,38 @@ def test_overwrite_true_then_false(tmp_path: Any) -> None:
     strict.close()
 
 
+
+def test_overwrite_false_refuses_in_torchs_words(tmp_path: Any) -> None:
+    """PyTorch's own tests expect the refusal of FileSystemWriter(overwrite=False): a
+    CheckpointException whose rank error is a RuntimeError saying "Checkpoint already exists".
+    Ours says the same (and names the path and rank), from dcp.save and async_save alike."""
+    path = str(tmp_path / "c")
+    w = writer(path)
+    in_thread(lambda: dcp.save({"x": torch.ones(16)}, storage_writer=w))
+    with pytest.raises(dcp.api.CheckpointException, match="Checkpoint already exists"):
+        in_thread(lambda: dcp.save({"x": torch.zeros(16)},
+                                   storage_writer=dcp.FileSystemWriter(path, overwrite=False)))
+    strict = writer(path, overwrite=False)
+    failures = []
+    with pytest.raises(dcp.api.CheckpointException, match="Checkpoint already exists") as sync:
+        in_thread(lambda: dcp.save({"x": torch.zeros(16)}, storage_writer=strict))
+    failures.append(sync.value.failures[0][0])
+    with pytest.raises(dcp.api.CheckpointException, match="Checkpoint already exists") as fut:
+        dcp.async_save({"x": torch.zeros(16)}, storage_writer=strict).result(timeout=T)
+    failures.append(fut.value.failures[0][0])
+    for err in failures:
+        assert isinstance(err, RuntimeError) and isinstance(err, FileExistsError)
+        assert str(err).startswith("Checkpoint already exists") and path in str(err)
+        assert "rank 0" in str(err)
+    from dcp_datastates import CheckpointExistsError
+
+    assert all(isinstance(err, CheckpointExistsError) for err in failures)
+    out = {"x": torch.zeros(16)}
+    dcp.load(out, checkpoint_id=path)
+    assert bool((out["x"] == 1.0).all())  # nothing was removed
+    w.close()
+    strict.close()
+
 # --------------------------------------------------------------------------------------------
 # Resharding on load (2 ranks), saving repeatedly to one directory with one writer
 
