@@ -672,6 +672,8 @@ class DataStatesWriter(StorageWriter):
         # One save's protocol (with its collectives) at a time, in the order of the save
         # calls, identically on every rank: wait for every earlier staged save to end.
         self._table.wait_turn(ctx.job, before_waiting=ctx.end_gc_pause)  # no pause spans it
+        if self._promoter is not None:  # the newest save of a name wins: its old copy stops
+            self._promoter.supersede(ctx.path)
         if ctx.job is not None and ctx.job.error is not None:
             raise ctx.job.error  # failed before its save began (e.g. by a step barrier)
         if ctx.job is not None and ctx.job.early is None:  # placed at bind time already?
