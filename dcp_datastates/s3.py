@@ -142,7 +142,11 @@ async def bounded(coro: Any, seconds: float, what: str) -> Any:
     """Awaits ``coro`` for at most ``seconds``; past that, cancels it and raises
     :class:`RequestTimeoutError` naming ``what``."""
     task = asyncio.ensure_future(coro)
-    done, _ = await asyncio.wait({task}, timeout=seconds)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:  # the caller gave up first (a deadline): so does the request
+        task.cancel()
+        raise
     if not done:
         task.cancel()
         await asyncio.wait({task}, timeout=1.0)  # let it close its connection
@@ -190,8 +194,17 @@ def _bounded_fs_class() -> type:
 
             call_s3 = sync_wrapper(_call_s3)
 
+        BoundedS3FileSystem.__module__ = __name__
+        BoundedS3FileSystem.__qualname__ = "BoundedS3FileSystem"  # pickled by name
         _bounded_class = BoundedS3FileSystem
     return _bounded_class
+
+
+def __getattr__(name: str) -> Any:
+    """``BoundedS3FileSystem``, created on first use (importing s3fs is not free)."""
+    if name == "BoundedS3FileSystem":
+        return _bounded_fs_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:

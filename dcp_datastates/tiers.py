@@ -18,7 +18,7 @@ node works):
 2. every rank: copy its data files, then its manifest (``__datastates_manifest_<rank>.json``),
    streamed through a fixed buffer (local: each file fsynced; fsspec: ``put_file``);
 3. the coordinator (rank 0): the fast tier's ``latest`` is pointed at the checkpoint; once the
-   manifests of all ranks are on the slow tier (polled, up to ``timeout_s``), ``.metadata`` is
+   manifests of all ranks are on the slow tier (polled), ``.metadata`` is
    copied (local: written to a temporary name, fsynced, renamed, directory fsynced), the slow
    marker removed, and the slow tier's ``latest`` updated.
 
@@ -27,10 +27,16 @@ Guarantees: a slow-tier directory without ``.metadata`` is *partial* (its marker
 after every rank's files are there; a failure of the slow tier (server down, permissions, disk
 full, a rank that never copied) fails that promotion only: it is logged with both paths, kept in
 :meth:`Promoter.records`, raised once by ``wait_persisted()``, and the fast checkpoint stays
-complete and usable. Not guaranteed: the fast tier's files are not re-verified before the copy
-(``verify_checkpoint`` on either tier checks checksums); with several ranks, saving again to a
-checkpoint name whose earlier promotion has not ended on every rank (a rank's own promotion
-removes its stale manifest first, but the coordinator may already have seen it); two
+complete and usable. Each promotion ends within ``timeout_s`` (``persist_timeout``) from its
+start: every slow-tier operation checks the deadline, remote ones are cut at it (and each S3
+request is bounded, :func:`dcp_datastates.s3.open_fs`), copies check it between buffers or
+parts; past it the promotion fails and its multipart upload is aborted. Saving a checkpoint
+again supersedes this rank's promotions of its old contents (:meth:`Promoter.supersede`): the
+newest save wins on both tiers, a stopped copy stays partial on the slow tier until the new
+contents' promotion commits. Not guaranteed: the fast tier's files are not re-verified before
+the copy (``verify_checkpoint`` on either tier checks checksums); with several ranks, saving
+again to a checkpoint name whose earlier promotion has not ended on every rank (a rank's own
+promotion removes its stale manifest first, but the coordinator may already have seen it); two
 *processes* (two jobs) promoting the same name into one persistent root (within one process, a
 second writer's promotion of a name another writer is copying fails with :class:`PersistError`).
 
@@ -54,9 +60,10 @@ tier when it has it (a fast tier wiped by a node replacement falls back to the s
 
 Threads: one promotion thread per writer, started when there is a promotion to run and ended
 after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight
-at exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``.
-``submit`` is called by the save threads. Fork: a promoter belongs to the process that created
-it; a forked child cannot submit.
+at exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``;
+:meth:`Promoter.close` gives all of them one deadline, ``timeout_s`` from the call.
+``submit`` and ``supersede`` are called by the save threads. Fork: a promoter belongs to the
+process that created it; a forked child cannot submit.
 """
 
 from __future__ import annotations
@@ -374,7 +381,8 @@ class Promoter:
         fast_root: the writer's ``path``; every promoted checkpoint must lie under it.
         slow_root: a local path or an fsspec URL.
         storage_options: fsspec options of ``slow_root``.
-        timeout_s: how long the coordinator waits for the other ranks' files on the slow tier.
+        timeout_s: how long one promotion may take (``persist_timeout``), the coordinator's
+            wait for the other ranks' files included.
         durable: fsync what is written to a local slow tier.
         fast_retention: retention of the fast tier (see :meth:`_prune_fast`), applied by every
             rank to ``fast_root`` after each of its promotions; None keeps everything.
@@ -580,7 +588,10 @@ class Promoter:
                 p.superseded = True
                 logger.info("copy of %s to %s stopped: a new save replaces it", p.source, p.target)
             except BaseException as e:  # noqa: BLE001 - reported through the record
-                p.error = f"{p.source} -> {p.target} (rank {p.rank}): {type(e).__name__}: {e}"
+                reason = f"{type(e).__name__}: {e}"
+                if time.monotonic() >= deadline and "persist_timeout" not in reason:
+                    reason = f"not done within persist_timeout ({self.timeout_s:g} s): {reason}"
+                p.error = f"{p.source} -> {p.target} (rank {p.rank}): {reason}"
                 logger.error("promotion failed: %s; the fast checkpoint is kept", p.error)
             try:
                 if not p.superseded:

@@ -220,8 +220,10 @@ class DataStatesWriter(StorageWriter):
             ``persist_to``, ``.metadata`` last, and ``latest`` is updated on both tiers
             (:mod:`dcp_datastates.tiers`; docs/configuration.md, "Multi-level flush").
         persist_storage_options: fsspec options of ``persist_to``.
-        persist_timeout: seconds the coordinator waits for the other ranks' files on the
-            persistent tier before it declares that copy failed.
+        persist_timeout: seconds one rank's copy of one checkpoint to the persistent tier may
+            take (on the coordinator, its wait for the other ranks' files and the commit
+            included); past it the copy fails, its upload aborted. ``close()`` waits for the
+            copies within it in all (docs/configuration.md, "Multi-level flush").
         persist_retention: retention of the persistent tier, applied by rank 0 after each
             checkpoint committed there: an int (``keep_last``) or a ``RetentionPolicy``
             (``prune`` semantics); None (default) keeps everything.
@@ -476,8 +478,9 @@ class DataStatesWriter(StorageWriter):
     def close(self) -> None:
         """Waits for saves in flight, then stops the engine and frees the host cache.
 
-        With ``persist_to`` it also waits for every copy to the persistent tier already queued
-        (their failures are logged, not raised; call :meth:`wait_persisted` first to get them).
+        With ``persist_to`` it also waits for every copy to the persistent tier already queued,
+        within ``persist_timeout`` in all (copies not done by then fail; failures are logged,
+        not raised; call :meth:`wait_persisted` first to get them).
 
         Idempotent. In a forked child it only marks this process's view of the writer closed:
         the engine belongs to the parent and is neither waited for, joined nor freed here.
