@@ -600,7 +600,7 @@ def test_persist_timeout_bounds_each_copy_wait_persisted_and_close(
         t0 = time.monotonic()
         with pytest.raises(PersistError) as ei:
             in_thread(lambda: w.wait_persisted(), what="wait_persisted()")
-        assert time.monotonic() - t0 < timeout + 3, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout + 5, time.monotonic() - t0
         msg = str(ei.value)
         assert f"{url}/step-1" in msg and "persist_timeout (3 s)" in msg, msg
         assert [s["persist_state"] for s in w.save_stats()] == ["failed"]
@@ -611,7 +611,7 @@ def test_persist_timeout_bounds_each_copy_wait_persisted_and_close(
         t0 = time.monotonic()
     finally:
         in_thread(w.close, what="close()")
-    assert time.monotonic() - t0 < timeout + 3, time.monotonic() - t0
+    assert time.monotonic() - t0 < timeout + 5, time.monotonic() - t0
     errors = [r["error"] for r in w.persist_stats()]
     assert len(errors) == 3 and all(e and "persist_timeout" in e for e in errors), errors
 
@@ -644,7 +644,7 @@ def test_a_copy_past_persist_timeout_aborts_its_upload(
         t0 = time.monotonic()
         with pytest.raises(PersistError, match="step-1/__0_0.distcp"):
             in_thread(lambda: w.wait_persisted(), what="wait_persisted()")
-        assert time.monotonic() - t0 < 3.0 + 3, time.monotonic() - t0
+        assert time.monotonic() - t0 < 3.0 + 5, time.monotonic() - t0
     assert s3.pending_uploads() == []
     keys = s3.keys("run")
     assert "run/step-1/.metadata" not in keys and "run/step-1/__0_0.distcp" not in keys, keys
