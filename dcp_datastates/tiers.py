@@ -150,6 +150,7 @@ class Promotion:
     pruned: list[str] = field(default_factory=list)  # deleted by the tiers' retention after it
     retention_error: str | None = None
     superseded: bool = False  # stopped: a newer save of the same checkpoint replaces it
+    started: bool = False  # taken off the queue by the promotion thread
     reported: bool = False
     done: threading.Event = field(default_factory=threading.Event, repr=False)
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -161,7 +162,7 @@ class Promotion:
         return d
 
 
-_PRIVATE = ("done", "cancel", "reported")
+_PRIVATE = ("done", "cancel", "reported", "started")
 
 
 def _rank_files(names: list[str], rank: int) -> list[str]:
@@ -478,6 +479,8 @@ class Promoter:
             stopping = [p for p in self._open if p.source == src]
             for p in stopping:
                 p.cancel.set()
+            # One still queued stops before it touches anything (its first check): no wait.
+            stopping = [p for p in stopping if p.started]
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
         for p in stopping:
             if not p.done.wait(max(0.0, deadline - time.monotonic())):
@@ -581,6 +584,7 @@ class Promoter:
                 return
             with self._lock:
                 deadline = min(time.monotonic() + self.timeout_s, self._close_deadline)
+                p.started = True
             self.slow.begin(deadline, self.timeout_s, p.cancel)
             try:
                 p.bytes = self._promote(p)

@@ -328,3 +328,18 @@ def test_a_stalled_part_is_cut_at_the_upload_deadline_and_aborted(
     assert f"s3://{s3.name}/up/obj" in str(ei.value) and "deadline" in str(ei.value)
     assert up.abort() is None  # the stalled part is cancelled, the upload aborted
     assert s3.pending_uploads() == [] and s3.keys("up") == []
+
+
+def test_request_bounds_follow_botocore_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
+    b = RequestBounds.from_config({"connect_timeout": 3, "read_timeout": 5,
+                                   "retries": {"max_attempts": 2}})
+    assert (b.connect_timeout_s, b.read_timeout_s, b.attempts) == (3, 5, 3)  # 2 retries
+    assert b.request_s() == 3 * (3 + 5) + (1 + 2) + 1
+    assert b.request_s(16 * MiB) == b.request_s() + 3 * 16  # 1 MiB/s per attempt
+    assert RequestBounds.from_config({"retries": {"total_max_attempts": 2}}).attempts == 2
+    assert RequestBounds.from_config(None) == RequestBounds(5.0, 15.0, 5)  # s3fs, legacy mode
+    assert RequestBounds.from_config({"retries": {"mode": "standard"}}).attempts == 3
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
+    assert RequestBounds.from_config({}).attempts == 4
