@@ -5,7 +5,8 @@ more than ``upload_concurrency``); the stock ``dcp.load`` with ``FsspecReader`` 
 bit-exactly; ``.metadata`` is stored last; a save failing mid-way (injected errors, the server
 stopped) leaves no ``.metadata`` and no unfinished multipart upload it could abort, and its error
 names the object; verify (API and command line) and retention (``latest``, keep-last-N,
-cleanup of partial checkpoints) work on the bucket.
+cleanup of partial checkpoints) work on the bucket; a server that stops answering (a tarpit
+that accepts connections and never replies) fails a save within its requests' bounds.
 """
 
 from __future__ import annotations

@@ -687,3 +687,42 @@ def test_saving_again_while_its_copy_runs_supersedes_the_copy(
         assert_state_equal(states[-1], load_local(root / "step-1", states[-1]))
     assert latest_complete(slow) == slow / "step-1"
     assert not (slow / "step-1" / INCOMPLETE_MARKER).exists()
+
+
+def test_a_superseded_s3_copy_aborts_its_upload(
+    fast: Path, s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    from dcp_datastates import tiers
+
+    monkeypatch.setattr(tiers, "_S3_PART_BYTES", 5 * 1024**2, raising=False)
+    orig = s3fs.S3FileSystem._call_s3
+    parts = threading.Event()
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        # A slow object store (a data file's parts): the next save begins mid-copy.
+        if method in ("upload_part", "put_object") and kwargs.get("Key", "").endswith(".distcp"):
+            parts.set()
+            await asyncio.sleep(0.5)
+        return await orig(fs, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    url = s3.url("run")
+    states = [{"w": torch.randn(3 * 1024**2, generator=torch.Generator().manual_seed(i))}
+              for i in range(3)]
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options,
+    ) as w:
+        for sd in states:
+            parts.clear()
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
+            assert parts.wait(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+        persist = [s["persist_state"] for s in w.save_stats()]
+    assert persist[-1] == "done" and "superseded" in persist[:-1], persist
+    assert s3.pending_uploads() == []  # the stopped uploads were aborted
+    out = zeros_like_state(states[-1])
+    dcp.load(out, storage_reader=FsspecReader(url + "/step-1", **s3.storage_options))
+    assert_state_equal(states[-1], out)
+    assert_state_equal(states[-1], load_local(fast / "step-1", states[-1]))
