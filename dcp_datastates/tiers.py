@@ -16,7 +16,8 @@ node works):
    so ``prune``/``cleanup`` of the fast tier skip it until the copy is over; write the slow
    directory's in-progress marker (``.datastates.incomplete``);
 2. every rank: copy its data files, then its manifest (``__datastates_manifest_<rank>.json``),
-   streamed through a fixed buffer (local: each file fsynced; fsspec: ``put_file``);
+   streamed through a fixed buffer (local: each file fsynced; ``s3://``: one multipart upload
+   per file; other fsspec URLs: ``put_file``);
 3. the coordinator (rank 0): the fast tier's ``latest`` is pointed at the checkpoint; once the
    manifests of all ranks are on the slow tier (polled), ``.metadata`` is
    copied (local: written to a temporary name, fsynced, renamed, directory fsynced), the slow
