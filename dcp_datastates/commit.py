@@ -45,11 +45,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import fsspec
-
 from .errors import CheckpointBusyError
 from .gcpause import gc_paused
 from .refs import refuse_if_referenced
+from .s3 import open_fs
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +261,7 @@ class CheckpointDir:
 
     def __init__(self, path: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = path
-        self.fs, self.path = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        self.fs, self.path = open_fs(path, storage_options)  # s3: every request bounded
         self.local = "file" in _protocols(self.fs)
 
     @property
@@ -282,25 +281,33 @@ class CheckpointDir:
         world size may have written more of them) are removed; other files are left alone.
         For non-local URLs the marker is written here (local ones hold it locked already).
         """
-        self.fs.makedirs(self.path, exist_ok=True)
-        meta = self.join(METADATA_FILE)
-        if self.local:
+        if not self.local:
             try:
-                os.unlink(meta)
-                if durable:
-                    fsync_dir(self.path)
+                self._prepare_remote()
+            except OSError as e:  # a request's error names an object, or only the endpoint
+                msg = f"preparing checkpoint {self.url}: {e}"
+                raise (OSError(e.errno, msg) if e.errno is not None else OSError(msg)) from e
+            return
+        self.fs.makedirs(self.path, exist_ok=True)
+        try:
+            os.unlink(self.join(METADATA_FILE))
+            if durable:
+                fsync_dir(self.path)
+        except FileNotFoundError:
+            pass
+        with os.scandir(self.path) as it:
+            stale = [e.name for e in it if is_owned_name(e.name)]
+        for name in stale:
+            try:
+                os.unlink(self.join(name))
             except FileNotFoundError:
                 pass
-            with os.scandir(self.path) as it:
-                stale = [e.name for e in it if is_owned_name(e.name)]
-            for name in stale:
-                try:
-                    os.unlink(self.join(name))
-                except FileNotFoundError:
-                    pass
-            if durable and stale:  # nothing removed (a new directory): nothing to make durable
-                fsync_dir(self.path)
-            return
+        if durable and stale:  # nothing removed (a new directory): nothing to make durable
+            fsync_dir(self.path)
+
+    def _prepare_remote(self) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)
+        meta = self.join(METADATA_FILE)
         self.fs.invalidate_cache(self.path)  # object stores: list what is there now
         if self.fs.exists(meta):
             self.fs.rm_file(meta)

@@ -35,8 +35,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
 from .checkpoints import (
     INCOMPLETE_MARKER,
     LATEST_FILE,
@@ -46,7 +44,7 @@ from .checkpoints import (
     parse_step,
 )
 from .commit import claimed_paths, owner_record
-from .s3 import abort_stale_uploads, is_s3, newest_upload_start
+from .s3 import abort_stale_uploads, is_s3, newest_upload_start, open_fs
 
 __all__ = [
     "RemoteCheckpoint",
@@ -93,7 +91,7 @@ class _Root:
 
     def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, Any] | None):
         self.url = os.fspath(root).rstrip("/")
-        self.fs, path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.fs, path = open_fs(self.url, storage_options)  # s3: every request bounded
         self.path = path.rstrip("/")
 
     def join(self, *names: str) -> str:

@@ -18,10 +18,22 @@ Guarantees:
   for the error message, never raised over the original error);
 * errors are ``OSError`` naming the ``s3://bucket/key`` and the part number.
 
-Threads: an upload is used by one thread (the DCP save thread); its parts run as coroutines on
-s3fs's I/O loop thread. Blocking waits release the GIL (``concurrent.futures`` waits). Requests are
-bounded in time by botocore's ``connect_timeout``/``read_timeout`` and retries (pass them as
-``config_kwargs`` in the writer's ``storage_options``).
+Threads: an upload is used by one thread (the DCP save thread, or a promotion thread); its parts
+run as coroutines on s3fs's I/O loop thread. Blocking waits release the GIL
+(``concurrent.futures`` waits).
+
+Time bounds (:class:`RequestBounds`): every request the package makes to S3 goes through a file
+system from :func:`open_fs`, which ends each request after at most ``attempts x (connect_timeout +
+read_timeout + body / MIN_UPLOAD_BYTES_PER_S) + backoff`` seconds, with botocore's
+``connect_timeout``, ``read_timeout`` and retry attempts taken from ``config_kwargs`` (s3fs's
+defaults: 5 s, 15 s; botocore's: 5 attempts in its legacy retry mode, 3 in standard mode).
+botocore's own timeouts alone do not bound a request with a body: aiohttp starts its read timeout
+only once the body is sent, and sending waits without a limit for the server's ``100 Continue``
+or for a peer that stops reading. Such a file system also makes s3fs's own retry layer (which
+would re-run a request that botocore gave up on, 5 times) a single pass: botocore's attempts are
+the only retries. A request past its bound is cancelled (its connection closed) and fails with
+``OSError(ETIMEDOUT)`` naming the object's URL and the bounds. :class:`MultipartUpload` also
+takes an overall ``deadline`` (the persistent tier's ``persist_timeout``).
 """
 
 from __future__ import annotations
@@ -29,8 +41,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import errno
 import logging
+import os
+import time
+from dataclasses import dataclass
 from typing import Any
+
+import fsspec
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +60,173 @@ MAX_PART_BYTES = 5 * 1024**3
 
 MAX_PARTS = 10_000
 """S3's largest part number."""
+
+
+MIN_UPLOAD_BYTES_PER_S = 1024**2
+"""The slowest upload a request's bound allows for: a body of N bytes adds N / 1 MiB seconds
+per attempt (a 16 MiB part: 16 s)."""
+
+_BOUND_SLACK_S = 1.0  # scheduling, signing and checksums of one request
+_S3FS_CONNECT_TIMEOUT_S = 5.0  # s3fs's defaults where config_kwargs set none
+_S3FS_READ_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """How long one S3 request may take, from botocore's settings (see the module docstring).
+
+    Attributes:
+        connect_timeout_s: botocore's ``connect_timeout``.
+        read_timeout_s: botocore's ``read_timeout``.
+        attempts: botocore's total attempts per request (the first one included).
+    """
+
+    connect_timeout_s: float
+    read_timeout_s: float
+    attempts: int
+
+    @classmethod
+    def from_config(cls, config_kwargs: dict[str, Any] | None) -> RequestBounds:
+        """The bounds botocore applies for s3fs's ``config_kwargs`` (and the ``AWS_MAX_ATTEMPTS``
+        and ``AWS_RETRY_MODE`` variables, as botocore reads them)."""
+        ck = dict(config_kwargs or {})
+        retries = dict(ck.get("retries") or {})
+        if "total_max_attempts" in retries:
+            attempts = int(retries["total_max_attempts"])
+        elif "max_attempts" in retries:  # botocore's client setting counts retries only
+            attempts = int(retries["max_attempts"]) + 1
+        elif os.environ.get("AWS_MAX_ATTEMPTS", "").strip().isdigit():
+            attempts = int(os.environ["AWS_MAX_ATTEMPTS"])
+        else:
+            mode = retries.get("mode") or os.environ.get("AWS_RETRY_MODE") or "legacy"
+            attempts = 5 if mode == "legacy" else 3
+        return cls(
+            connect_timeout_s=float(ck.get("connect_timeout", _S3FS_CONNECT_TIMEOUT_S)),
+            read_timeout_s=float(ck.get("read_timeout", _S3FS_READ_TIMEOUT_S)),
+            attempts=max(1, attempts),
+        )
+
+    def request_s(self, body_bytes: int = 0) -> float:
+        """Seconds one request carrying ``body_bytes`` may take, its retries included."""
+        per_attempt = (
+            self.connect_timeout_s + self.read_timeout_s + body_bytes / MIN_UPLOAD_BYTES_PER_S
+        )
+        backoff = sum(min(2.0**i, 20.0) for i in range(self.attempts - 1))  # botocore's caps
+        return self.attempts * per_attempt + backoff + _BOUND_SLACK_S
+
+    def describe(self) -> str:
+        return (
+            f"connect_timeout {self.connect_timeout_s:g} s, read_timeout "
+            f"{self.read_timeout_s:g} s, {self.attempts} attempt(s)"
+        )
+
+
+def _body_bytes(body: Any) -> int:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return memoryview(body).nbytes
+    return 0
+
+
+def _request_url(kwargs: dict[str, Any]) -> str:
+    bucket, key = kwargs.get("Bucket"), kwargs.get("Key", kwargs.get("Prefix", ""))
+    return f"s3://{bucket}/{key}" if bucket else "s3://"
+
+
+class RequestTimeoutError(OSError):
+    """An S3 request (its retries included) that did not end within its bound; ``errno`` is
+    ``ETIMEDOUT``. Not a ``TimeoutError``: fsspec would replace it by an ``FSTimeoutError``
+    without a message."""
+
+
+async def bounded(coro: Any, seconds: float, what: str) -> Any:
+    """Awaits ``coro`` for at most ``seconds``; past that, cancels it and raises
+    :class:`RequestTimeoutError` naming ``what``."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:  # the caller gave up first (a deadline): so does the request
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)  # let it close its connection
+        raise RequestTimeoutError(errno.ETIMEDOUT, f"{what}: no answer within {seconds:.1f} s")
+    return task.result()
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """botocore's errors of the connection (timeouts, refused, reset), not of the request."""
+    from botocore import exceptions as bx
+
+    return (bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.EndpointConnectionError,
+            bx.ConnectionClosedError)
+
+
+_bounded_class: type | None = None
+
+
+def _bounded_fs_class() -> type:
+    """s3fs's ``S3FileSystem`` with every request bounded (created once, on first use)."""
+    global _bounded_class
+    if _bounded_class is None:
+        import s3fs
+        from fsspec.asyn import sync_wrapper
+
+        class BoundedS3FileSystem(s3fs.S3FileSystem):  # type: ignore[misc]
+            """``S3FileSystem`` whose requests end within their :class:`RequestBounds`."""
+
+            retries = 1  # botocore's attempts are the only retries (see RequestBounds)
+
+            @property
+            def bounds(self) -> RequestBounds:
+                return RequestBounds.from_config(self.config_kwargs)
+
+            async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+                b = self.bounds
+                seconds = b.request_s(_body_bytes(kwargs.get("Body")))
+                what = f"{method} {_request_url(kwargs)} ({b.describe()})"
+                try:
+                    return await bounded(super()._call_s3(method, *args, **kwargs), seconds, what)
+                except _transport_errors() as e:  # they name the endpoint, not the object
+                    cls = RequestTimeoutError if "Timeout" in type(e).__name__ else OSError
+                    raise cls(errno.ETIMEDOUT if cls is RequestTimeoutError else errno.EIO,
+                              f"{what}: {_describe(e)}") from e
+
+            call_s3 = sync_wrapper(_call_s3)
+
+        BoundedS3FileSystem.__module__ = __name__
+        BoundedS3FileSystem.__qualname__ = "BoundedS3FileSystem"  # pickled by name
+        _bounded_class = BoundedS3FileSystem
+    return _bounded_class
+
+
+def __getattr__(name: str) -> Any:
+    """``BoundedS3FileSystem``, created on first use (importing s3fs is not free)."""
+    if name == "BoundedS3FileSystem":
+        return _bounded_fs_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``fsspec.core.url_to_fs(url, **storage_options)``, with s3fs replaced by a file system
+    whose every request is bounded in time (module docstring). fsspec's configuration
+    (``FSSPEC_S3``) applies as usual. Instances are cached by fsspec, apart from the caller's
+    own ``S3FileSystem`` instances (their settings are left alone; the listing cache is
+    shared with the caller's instance of the same options)."""
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if is_s3(fs) and not hasattr(fs, "bounds"):
+        plain = fs
+        fs = _bounded_fs_class()(**plain.storage_options)
+        # One listing cache for both: s3fs invalidates it on each write, so the caller's own
+        # file system (the stock reader's) sees what the writer stored.
+        fs.dircache = plain.dircache
+    return fs, path
+
+
+def fs_bounds(fs: Any) -> RequestBounds | None:
+    """The request bounds of a file system from :func:`open_fs` (None if it has none)."""
+    b = getattr(fs, "bounds", None)
+    return b if isinstance(b, RequestBounds) else None
 
 
 def is_s3(fs: Any) -> bool:
@@ -70,9 +255,20 @@ class MultipartUpload:
         path: the object's path (``bucket/key`` or ``s3://bucket/key``).
         part_bytes: bytes of every part but the last (5 MiB .. 5 GiB).
         max_in_flight: parts uploading at once (at least 1).
+        deadline: a ``time.monotonic()`` time by which the upload must be complete, or None:
+            a wait past it fails with ``OSError(ETIMEDOUT)`` (each request is bounded anyway
+            when ``fs`` comes from :func:`open_fs`).
     """
 
-    def __init__(self, fs: Any, path: str, *, part_bytes: int, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        *,
+        part_bytes: int,
+        max_in_flight: int,
+        deadline: float | None = None,
+    ) -> None:
         check_part_bytes(part_bytes)
         if max_in_flight < 1:
             raise ValueError(f"upload_concurrency must be at least 1, got {max_in_flight}")
@@ -91,6 +287,7 @@ class MultipartUpload:
         )
         self._done: list[dict[str, Any]] = []
         self._closed = False
+        self._deadline = deadline
         self.bytes_written = 0
         self.parts_uploaded = 0
 
@@ -149,9 +346,9 @@ class MultipartUpload:
     def abort(self) -> str | None:
         """Abandons the upload: no object is created and no stored part is left behind.
 
-        Waits for the parts in flight (each ends within botocore's timeouts), then aborts the
-        multipart upload. Never raises: returns a description of what could not be cleaned up,
-        or None.
+        Cancels the parts in flight, then aborts the multipart upload (one request, bounded as
+        every request, the deadline notwithstanding). Never raises: returns a description of
+        what could not be cleaned up, or None.
         """
         if self._closed:
             return None
@@ -159,14 +356,11 @@ class MultipartUpload:
         self._buf = bytearray()
         for _, fut in self._in_flight:
             fut.cancel()
-        for _, fut in self._in_flight:
-            try:
-                fut.result()
-            except BaseException:  # noqa: BLE001 - cancelled or failed: either way it is over
-                pass
+        concurrent.futures.wait([f for _, f in self._in_flight], timeout=5.0)
         self._in_flight.clear()
         if self._upload_id is None:
             return None
+        self._deadline = None  # the abort gets its own request's bound
         try:
             self._call(
                 "abort_multipart_upload",
@@ -206,10 +400,24 @@ class MultipartUpload:
         )
         self._in_flight.append((number, asyncio.run_coroutine_threadsafe(coro, self._fs.loop)))
 
+    def _left(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    def _result(self, fut: concurrent.futures.Future[Any], what: str) -> Any:
+        try:
+            return fut.result(self._left())
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise RequestTimeoutError(
+                errno.ETIMEDOUT, f"{what} {self.url}: not done by the upload's deadline"
+            ) from None
+
     def _finish_oldest(self) -> None:
         number, fut = self._in_flight.popleft()
         try:
-            out = fut.result()
+            out = self._result(fut, f"part {number} of")
         except Exception as e:
             raise OSError(f"upload of {self.url} failed at part {number}: {_describe(e)}") from e
         self._done.append({"PartNumber": number, "ETag": out["ETag"]})
@@ -218,7 +426,8 @@ class MultipartUpload:
     def _call(self, method: str, what: str, **kwargs: Any) -> Any:
         coro = self._fs._call_s3(method, **kwargs)
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self._fs.loop).result()
+            fut = asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
+            return self._result(fut, what)
         except Exception as e:
             raise OSError(f"{what} {self.url} failed: {_describe(e)}") from e
 
@@ -270,11 +479,16 @@ def newest_upload_start(fs: Any, prefix: str) -> float | None:
 
 __all__ = [
     "MAX_PARTS",
+    "MIN_UPLOAD_BYTES_PER_S",
     "MAX_PART_BYTES",
     "MIN_PART_BYTES",
     "MultipartUpload",
+    "RequestBounds",
+    "RequestTimeoutError",
     "abort_stale_uploads",
     "check_part_bytes",
+    "fs_bounds",
     "is_s3",
     "newest_upload_start",
+    "open_fs",
 ]

@@ -16,9 +16,10 @@ node works):
    so ``prune``/``cleanup`` of the fast tier skip it until the copy is over; write the slow
    directory's in-progress marker (``.datastates.incomplete``);
 2. every rank: copy its data files, then its manifest (``__datastates_manifest_<rank>.json``),
-   streamed through a fixed buffer (local: each file fsynced; fsspec: ``put_file``);
+   streamed through a fixed buffer (local: each file fsynced; ``s3://``: one multipart upload
+   per file; other fsspec URLs: ``put_file``);
 3. the coordinator (rank 0): the fast tier's ``latest`` is pointed at the checkpoint; once the
-   manifests of all ranks are on the slow tier (polled, up to ``timeout_s``), ``.metadata`` is
+   manifests of all ranks are on the slow tier (polled), ``.metadata`` is
    copied (local: written to a temporary name, fsynced, renamed, directory fsynced), the slow
    marker removed, and the slow tier's ``latest`` updated.
 
@@ -27,10 +28,16 @@ Guarantees: a slow-tier directory without ``.metadata`` is *partial* (its marker
 after every rank's files are there; a failure of the slow tier (server down, permissions, disk
 full, a rank that never copied) fails that promotion only: it is logged with both paths, kept in
 :meth:`Promoter.records`, raised once by ``wait_persisted()``, and the fast checkpoint stays
-complete and usable. Not guaranteed: the fast tier's files are not re-verified before the copy
-(``verify_checkpoint`` on either tier checks checksums); with several ranks, saving again to a
-checkpoint name whose earlier promotion has not ended on every rank (a rank's own promotion
-removes its stale manifest first, but the coordinator may already have seen it); two
+complete and usable. Each promotion ends within ``timeout_s`` (``persist_timeout``) from its
+start: every slow-tier operation checks the deadline, remote ones are cut at it (and each S3
+request is bounded, :func:`dcp_datastates.s3.open_fs`), copies check it between buffers or
+parts; past it the promotion fails and its multipart upload is aborted. Saving a checkpoint
+again supersedes this rank's promotions of its old contents (:meth:`Promoter.supersede`): the
+newest save wins on both tiers, a stopped copy stays partial on the slow tier until the new
+contents' promotion commits. Not guaranteed: the fast tier's files are not re-verified before
+the copy (``verify_checkpoint`` on either tier checks checksums); with several ranks, saving
+again to a checkpoint name whose earlier promotion has not ended on every rank (a rank's own
+promotion removes its stale manifest first, but the coordinator may already have seen it); two
 *processes* (two jobs) promoting the same name into one persistent root (within one process, a
 second writer's promotion of a name another writer is copying fails with :class:`PersistError`).
 
@@ -54,9 +61,10 @@ tier when it has it (a fast tier wiped by a node replacement falls back to the s
 
 Threads: one promotion thread per writer, started when there is a promotion to run and ended
 after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight
-at exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``.
-``submit`` is called by the save threads. Fork: a promoter belongs to the process that created
-it; a forked child cannot submit.
+at exit (each bounded by ``timeout_s``), even when the writer was dropped without ``close()``;
+:meth:`Promoter.close` gives all of them one deadline, ``timeout_s`` from the call.
+``submit`` and ``supersede`` are called by the save threads. Fork: a promoter belongs to the
+process that created it; a forked child cannot submit.
 """
 
 from __future__ import annotations
@@ -85,14 +93,18 @@ from .checkpoints import (
     update_latest,
 )
 from .commit import claimed_paths, manifest_name
-from .errors import DataStatesError
+from .errors import CheckpointBusyError, DataStatesError
 from .refs import lock_shared, unlock
+from .s3 import MAX_PART_BYTES, MAX_PARTS, MultipartUpload, fs_bounds, is_s3, open_fs
 
 logger = logging.getLogger(__name__)
 
 _BUFFER = 8 * 1024 * 1024  # bytes per read/write of a local copy
 _POLL_S = 0.1
 _IDLE_S = 2.0  # the promotion thread ends after this long without work (a new one starts later)
+_S3_PART_BYTES = 16 * 1024**2  # parts of an s3:// copy (larger for files above 160 GB)
+_S3_PARTS_IN_FLIGHT = 4
+_GRACE_S = 5.0  # beyond persist_timeout: a stopped copy's clean-up (non-s3 tiers)
 
 
 class PersistError(DataStatesError):
@@ -138,8 +150,11 @@ class Promotion:
     error: str | None = None
     pruned: list[str] = field(default_factory=list)  # deleted by the tiers' retention after it
     retention_error: str | None = None
+    superseded: bool = False  # stopped: a newer save of the same checkpoint replaces it
+    started: bool = False  # taken off the queue by the promotion thread
     reported: bool = False
     done: threading.Event = field(default_factory=threading.Event, repr=False)
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PRIVATE}
@@ -148,7 +163,7 @@ class Promotion:
         return d
 
 
-_PRIVATE = ("done", "reported")
+_PRIVATE = ("done", "cancel", "reported", "started")
 
 
 def _rank_files(names: list[str], rank: int) -> list[str]:
@@ -163,8 +178,18 @@ def _tmp_name(path: str) -> str:
     return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
 
 
+class _Stopped(Exception):
+    """A promotion stopped because a newer save of its checkpoint superseded it."""
+
+
 class _Slow:
-    """The persistent tier: a local directory tree (fsynced) or an fsspec file system."""
+    """The persistent tier: a local directory tree (fsynced) or an fsspec file system.
+
+    Used by the promotion thread only. :meth:`begin` sets the deadline and the cancel event of
+    the promotion under way: every operation checks both first, a remote one is cut at the
+    deadline (fsspec's ``timeout``; on ``s3://`` each request is bounded besides,
+    :func:`dcp_datastates.s3.open_fs`), a copy checks them between buffers or parts.
+    """
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, durable: bool) -> None:
         self.root = root.rstrip("/") if is_url(root) else os.path.abspath(root)
@@ -172,10 +197,39 @@ class _Slow:
         self.durable = durable
         self.storage_options = dict(storage_options or {})
         self._fs: Any = None
+        self._async = False
+        self.deadline: float | None = None
+        self.timeout_s = math.inf
+        self._cancel: threading.Event | None = None
         if self.remote:
-            from fsspec.core import url_to_fs
+            from fsspec.asyn import AsyncFileSystem
 
-            self._fs, self._base = url_to_fs(self.root, **self.storage_options)
+            self._fs, self._base = open_fs(self.root, self.storage_options)
+            self._async = isinstance(self._fs, AsyncFileSystem)
+
+    def begin(
+        self, deadline: float | None, timeout_s: float, cancel: threading.Event | None
+    ) -> None:
+        """Bounds the operations that follow by ``deadline`` (``time.monotonic()``), and stops
+        them when ``cancel`` is set."""
+        self.deadline, self.timeout_s, self._cancel = deadline, timeout_s, cancel
+
+    def check(self, what: str) -> None:
+        """Raises :class:`_Stopped` if the promotion was superseded, PersistError past its
+        deadline."""
+        if self._cancel is not None and self._cancel.is_set():
+            raise _Stopped(what)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise PersistError(
+                f"{what}: not done within persist_timeout ({self.timeout_s:g} s)"
+            )
+
+    def _kw(self) -> dict[str, Any]:
+        """fsspec's per-call ``timeout`` (async file systems only): what is left until the
+        deadline."""
+        if not self._async or self.deadline is None:
+            return {}
+        return {"timeout": max(0.01, self.deadline - time.monotonic())}
 
     def url(self, rel: str) -> str:
         return f"{self.root}/{rel}" if self.remote else os.path.join(self.root, rel)
@@ -184,14 +238,16 @@ class _Slow:
         return f"{self._base.rstrip('/')}/{rel}"
 
     def makedirs(self, rel: str) -> None:
+        self.check(f"creating {self.url(rel)}")
         if self.remote:
-            self._fs.makedirs(self._p(rel), exist_ok=True)
+            self._fs.makedirs(self._p(rel), exist_ok=True, **self._kw())
         else:
             os.makedirs(self.url(rel), exist_ok=True)
 
     def put_bytes(self, rel: str, data: bytes) -> None:
+        self.check(f"writing {self.url(rel)}")
         if self.remote:
-            self._fs.pipe_file(self._p(rel), data)
+            self._fs.pipe_file(self._p(rel), data, **self._kw())
             return
         path = self.url(rel)
         tmp = _tmp_name(path)  # unique: several ranks may write the same marker at once
@@ -205,9 +261,14 @@ class _Slow:
 
     def copy_file(self, src: str, rel: str, atomic: bool = False) -> int:
         """Copies the local file ``src`` to ``rel``; returns its size. ``atomic``: through a
-        temporary name renamed at the end (used for ``.metadata``, the commit)."""
+        temporary name renamed at the end (used for ``.metadata``, the commit). Checks the
+        deadline and the cancel event between buffers (parts on ``s3://``)."""
+        what = f"copying {src} to {self.url(rel)}"
+        self.check(what)
+        if self.remote and is_s3(self._fs):
+            return self._upload(src, rel, what)
         if self.remote:
-            self._fs.put_file(src, self._p(rel))  # s3fs: multipart, parts of bounded size
+            self._fs.put_file(src, self._p(rel), **self._kw())
             return os.path.getsize(src)
         dst = self.url(rel)
         tmp = _tmp_name(dst) if atomic else dst
@@ -216,6 +277,7 @@ class _Slow:
             buf = bytearray(_BUFFER)
             view = memoryview(buf)
             while True:
+                self.check(what)
                 k = fi.readinto(buf)
                 if not k:
                     break
@@ -227,16 +289,50 @@ class _Slow:
             os.replace(tmp, dst)
         return n
 
+    def _upload(self, src: str, rel: str, what: str) -> int:
+        """``src`` as one S3 object: a multipart upload (parts in flight bounded by the
+        deadline), aborted on any failure, a cancel or the deadline: no object appears then."""
+        size = os.path.getsize(src)
+        part = max(_S3_PART_BYTES, -(-size // MAX_PARTS))
+        up = MultipartUpload(
+            self._fs, self._p(rel), part_bytes=min(part, MAX_PART_BYTES),
+            max_in_flight=_S3_PARTS_IN_FLIGHT, deadline=self.deadline,
+        )
+        n = 0
+        try:
+            with open(src, "rb", buffering=0) as fi:
+                buf = bytearray(_BUFFER)
+                view = memoryview(buf)
+                while True:
+                    self.check(what)
+                    k = fi.readinto(buf)
+                    if not k:
+                        break
+                    up.write(view[:k])
+                    n += k
+            self.check(what)
+            up.close()
+        except BaseException as e:
+            left = up.abort()
+            if left is not None:
+                logger.warning("%s", left)
+                if isinstance(e, Exception):
+                    e.add_note(left)
+            raise
+        return n
+
     def exists(self, rel: str) -> bool:
+        self.check(f"looking up {self.url(rel)}")
         if self.remote:
             self._fs.invalidate_cache(self._p(os.path.dirname(rel)))
-            return bool(self._fs.exists(self._p(rel)))
+            return bool(self._fs.exists(self._p(rel), **self._kw()))
         return os.path.exists(self.url(rel))
 
     def remove(self, rel: str) -> None:
+        self.check(f"removing {self.url(rel)}")
         try:
             if self.remote:
-                self._fs.rm_file(self._p(rel))
+                self._fs.rm_file(self._p(rel), **self._kw())
             else:
                 os.unlink(self.url(rel))
         except FileNotFoundError:
@@ -287,7 +383,8 @@ class Promoter:
         fast_root: the writer's ``path``; every promoted checkpoint must lie under it.
         slow_root: a local path or an fsspec URL.
         storage_options: fsspec options of ``slow_root``.
-        timeout_s: how long the coordinator waits for the other ranks' files on the slow tier.
+        timeout_s: how long one promotion may take (``persist_timeout``), the coordinator's
+            wait for the other ranks' files included.
         durable: fsync what is written to a local slow tier.
         fast_retention: retention of the fast tier (see :meth:`_prune_fast`), applied by every
             rank to ``fast_root`` after each of its promotions; None keeps everything.
@@ -330,6 +427,7 @@ class Promoter:
         self._records: collections.deque[Promotion] = collections.deque(maxlen=1000)
         self._open: list[Promotion] = []  # submitted, not finished
         self._closed = False
+        self._close_deadline = math.inf  # time.monotonic(): set by close()
 
     # -- submission (save threads) ---------------------------------------------------------------
     def relative(self, checkpoint_path: str) -> str:
@@ -367,6 +465,31 @@ class Promoter:
                 )
                 self._thread.start()
 
+    def supersede(self, checkpoint_path: str, timeout: float | None = None) -> None:
+        """A new save of ``checkpoint_path`` begins: this rank's promotions of its previous
+        contents stop (queued ones never start; the one under way stops at its next buffer or
+        part, aborting its upload). Their persistent copies stay partial (no ``.metadata``)
+        until the new save's promotion commits the new contents. Waits (at most ``timeout``,
+        default ``persist_timeout``) until none of them holds the fast directory any more.
+
+        Raises:
+            CheckpointBusyError: a copy did not stop in time (named, with its target).
+        """
+        src = os.path.abspath(checkpoint_path)
+        with self._lock:
+            stopping = [p for p in self._open if p.source == src]
+            for p in stopping:
+                p.cancel.set()
+            # One still queued stops before it touches anything (its first check): no wait.
+            stopping = [p for p in stopping if p.started]
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        for p in stopping:
+            if not p.done.wait(max(0.0, deadline - time.monotonic())):
+                raise CheckpointBusyError(
+                    f"{src}: the copy of its previous save to {p.target} (rank {p.rank}) did not "
+                    "stop in time; save again once it ended (wait_persisted())"
+                )
+
     # -- waiting, reporting ----------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until every submitted promotion ended; False on timeout. Then raises
@@ -398,7 +521,9 @@ class Promoter:
         ``exclude=`` to ``prune``/``cleanup_incomplete`` of the fast tier."""
         with self._lock:
             return sorted(
-                src for src, p in self._newest().items() if p.error or not p.done.is_set()
+                src
+                for src, p in self._newest().items()
+                if p.error or p.superseded or not p.done.is_set()
             )
 
     def _newest(self) -> dict[str, Promotion]:
@@ -412,23 +537,38 @@ class Promoter:
             return [p.as_dict() for p in self._records]
 
     def close(self, timeout: float | None = None) -> None:
-        """Waits for the promotions in flight (failures are logged, not raised), then stops."""
+        """Waits for the promotions in flight, then stops: within ``persist_timeout`` (plus one
+        request's bound, for an upload's abort) in all, or ``timeout`` if shorter. The copies
+        still running or queued at that deadline fail (their persistent copies stay partial).
+        Failures are logged, not raised."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             thread = self._thread
+            limit = self.timeout_s if timeout is None else min(timeout, self.timeout_s)
+            self._close_deadline = time.monotonic() + limit
         if os.getpid() != self._pid:
             return
         if thread is not None:
             self._queue.put(None)
-            thread.join(timeout)
+            thread.join(limit + self._grace_s())
+            if thread.is_alive():
+                logger.error(
+                    "copies to %s still running %.0f s after close(): abandoned",
+                    self.slow.root, limit + self._grace_s(),
+                )
         with self._lock:
             failed = [p for p in self._records if p.error and not p.reported]
             for p in failed:
                 p.reported = True
         for p in failed:
             logger.error("promotion of %s to %s failed: %s", p.source, p.target, p.error)
+
+    def _grace_s(self) -> float:
+        """How long a copy stopped at its deadline may take to clean up (an abort request)."""
+        b = fs_bounds(self.slow._fs) if self.slow.remote else None
+        return _GRACE_S + (b.request_s() if b is not None else 0.0)
 
     # -- the promotion thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -443,13 +583,24 @@ class Promoter:
                 continue
             if p is None:
                 return
+            with self._lock:
+                deadline = min(time.monotonic() + self.timeout_s, self._close_deadline)
+                p.started = True
+            self.slow.begin(deadline, self.timeout_s, p.cancel)
             try:
                 p.bytes = self._promote(p)
+            except _Stopped:
+                p.superseded = True
+                logger.info("copy of %s to %s stopped: a new save replaces it", p.source, p.target)
             except BaseException as e:  # noqa: BLE001 - reported through the record
-                p.error = f"{p.source} -> {p.target} (rank {p.rank}): {type(e).__name__}: {e}"
+                reason = f"{type(e).__name__}: {e}"
+                if time.monotonic() >= deadline and "persist_timeout" not in reason:
+                    reason = f"not done within persist_timeout ({self.timeout_s:g} s): {reason}"
+                p.error = f"{p.source} -> {p.target} (rank {p.rank}): {reason}"
                 logger.error("promotion failed: %s; the fast checkpoint is kept", p.error)
             try:
-                self._retain(p)
+                if not p.superseded:
+                    self._retain(p)
             except Exception as e:  # noqa: BLE001 - retention never fails the promotion
                 p.retention_error = f"{type(e).__name__}: {e}"
                 logger.warning(
@@ -463,6 +614,7 @@ class Promoter:
                 p.done.set()
 
     def _promote(self, p: Promotion) -> int:
+        self.slow.check(f"copying {p.source} to {p.target}")  # superseded while queued?
         key = (p.target, p.rank)
         with _active_lock:
             if _active.setdefault(key, id(self)) != id(self):
@@ -509,18 +661,15 @@ class Promoter:
             slow.sync_dir(rel)
             if not p.coordinator:
                 return total
-            deadline = time.monotonic() + self.timeout_s
             missing = [r for r in range(p.world_size) if r != p.rank]
             while missing:
+                try:
+                    slow.check(f"waiting for the files of rank(s) {missing} on {p.target}")
+                except PersistError as e:
+                    raise PersistError(f"{e}; its .metadata is not written") from None
                 missing = [r for r in missing if not slow.exists(f"{rel}/{manifest_name(r)}")]
-                if not missing:
-                    break
-                if time.monotonic() > deadline:
-                    raise PersistError(
-                        f"rank(s) {missing} did not copy their files to {p.target} within "
-                        f"{self.timeout_s:.0f} s; its .metadata is not written"
-                    )
-                time.sleep(_POLL_S)
+                if missing:
+                    time.sleep(_POLL_S)
             total += slow.copy_file(
                 os.path.join(p.source, METADATA_FILE), f"{rel}/{METADATA_FILE}", atomic=True
             )
@@ -567,10 +716,11 @@ class Promoter:
         committed = {
             src
             for src, r in newest.items()
-            if r.coordinator and r.error is None and (r.done.is_set() or r is current)
+            if r.coordinator and r.error is None and not r.superseded
+            and (r.done.is_set() or r is current)
         }
-        try:
-            on_slow = self.slow.complete_steps()
+        try:  # after a failed copy (the tier may be down), rely on this writer's records
+            on_slow = self.slow.complete_steps() if current.error is None else {}
         except Exception as e:  # noqa: BLE001 - the tier is down: rely on this writer's records
             logger.warning("cannot list %s for the fast tier's retention: %s", self.slow.root, e)
             on_slow = {}
@@ -619,7 +769,12 @@ def attach_persist_stats(stats: list[dict[str, Any]], records: list[dict[str, An
                 continue
             used.add(i)
             finished = not math.isnan(r["t_done"])
-            state = "failed" if r["error"] else "done" if finished else "pending"
+            state = (
+                "failed" if r["error"]
+                else "superseded" if r["superseded"]
+                else "done" if finished
+                else "pending"
+            )
             s.update(persist_state=state, persist_s=r["persist_s"], persist_error=r["error"])
             break
 

@@ -229,8 +229,10 @@ class DataStatesWriter(StorageWriter):
             ``persist_to``, ``.metadata`` last, and ``latest`` is updated on both tiers
             (:mod:`dcp_datastates.tiers`; docs/configuration.md, "Multi-level flush").
         persist_storage_options: fsspec options of ``persist_to``.
-        persist_timeout: seconds the coordinator waits for the other ranks' files on the
-            persistent tier before it declares that copy failed.
+        persist_timeout: seconds one rank's copy of one checkpoint to the persistent tier may
+            take (on the coordinator, its wait for the other ranks' files and the commit
+            included); past it the copy fails, its upload aborted. ``close()`` waits for the
+            copies within it in all (docs/configuration.md, "Multi-level flush").
         persist_retention: retention of the persistent tier, applied by rank 0 after each
             checkpoint committed there: an int (``keep_last``) or a ``RetentionPolicy``
             (``prune`` semantics); None (default) keeps everything.
@@ -506,8 +508,9 @@ class DataStatesWriter(StorageWriter):
     def close(self) -> None:
         """Waits for saves in flight, then stops the engine and frees the host cache.
 
-        With ``persist_to`` it also waits for every copy to the persistent tier already queued
-        (their failures are logged, not raised; call :meth:`wait_persisted` first to get them).
+        With ``persist_to`` it also waits for every copy to the persistent tier already queued,
+        within ``persist_timeout`` in all (copies not done by then fail; failures are logged,
+        not raised; call :meth:`wait_persisted` first to get them).
 
         Idempotent. In a forked child it only marks this process's view of the writer closed:
         the engine belongs to the parent and is neither waited for, joined nor freed here.
@@ -702,6 +705,8 @@ class DataStatesWriter(StorageWriter):
         # One save's protocol (with its collectives) at a time, in the order of the save
         # calls, identically on every rank: wait for every earlier staged save to end.
         self._table.wait_turn(ctx.job, before_waiting=ctx.end_gc_pause)  # no pause spans it
+        if self._promoter is not None:  # the newest save of a name wins: its old copy stops
+            self._promoter.supersede(ctx.path)
         if ctx.job is not None and ctx.job.error is not None:
             raise ctx.job.error  # failed before its save began (e.g. by a step barrier)
         if ctx.job is not None and ctx.job.early is None:  # placed at bind time already?

@@ -10,7 +10,9 @@ s3_server_fixture``):
 * ``s3_server`` (module scope): the running server; ``stop()`` and ``start()`` may be called by
   a test (a stopped server refuses connections), the fixture restarts it for the next test;
 * ``s3`` (function scope): a fresh bucket on it, as an :class:`S3Bucket` with ``url(name)``,
-  ``storage_options`` (endpoint, credentials, short timeouts) and ``fs`` (an s3fs file system).
+  ``storage_options`` (endpoint, credentials, short timeouts) and ``fs`` (an s3fs file system);
+* ``tarpit`` (function scope): a :class:`Tarpit`, an endpoint that accepts connections and
+  never answers (an S3 server that stopped answering).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import itertools
 import json
 import logging
 import os
+import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -133,3 +137,58 @@ def s3_bucket_fixture(s3_server: S3Server) -> Iterator[S3Bucket]:
     fs.call_s3("create_bucket", Bucket=name)
     yield S3Bucket(server=s3_server, name=name, fs=fs)
     s3_server.start()
+
+
+class Tarpit:
+    """A server on 127.0.0.1 that accepts TCP connections and never answers (nor reads): an
+    S3 endpoint that stopped answering. Connections are held until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self._conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="tarpit", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # the accept timeout, or the socket closed
+                continue
+            self._conns.append(conn)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def storage_options(self, connect_s: float = 1, read_s: float = 1) -> dict[str, Any]:
+        """Options reaching the tarpit: short timeouts, 2 attempts per request."""
+        return {
+            "endpoint_url": self.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": REGION},
+            "config_kwargs": {
+                "connect_timeout": connect_s,
+                "read_timeout": read_s,
+                "retries": {"total_max_attempts": 2, "mode": "standard"},
+            },
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for c in self._conns:
+            c.close()
+        self._sock.close()
+
+
+@pytest.fixture(name="tarpit")
+def tarpit_fixture() -> Iterator[Tarpit]:
+    t = Tarpit()
+    try:
+        yield t
+    finally:
+        t.close()

@@ -5,7 +5,8 @@ more than ``upload_concurrency``); the stock ``dcp.load`` with ``FsspecReader`` 
 bit-exactly; ``.metadata`` is stored last; a save failing mid-way (injected errors, the server
 stopped) leaves no ``.metadata`` and no unfinished multipart upload it could abort, and its error
 names the object; verify (API and command line) and retention (``latest``, keep-last-N,
-cleanup of partial checkpoints) work on the bucket.
+cleanup of partial checkpoints) work on the bucket; a server that stops answering (a tarpit
+that accepts connections and never replies) fails a save within its requests' bounds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,18 @@ import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import HANG_S, assert_state_equal, in_thread, zeros_like_state
-from s3_server import S3Bucket, s3_bucket_fixture, s3_server_fixture  # noqa: F401 - fixtures
+from s3_server import (  # noqa: F401 - fixtures
+    S3Bucket,
+    Tarpit,
+    s3_bucket_fixture,
+    s3_server_fixture,
+    tarpit_fixture,
+)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dcp_datastates import DataStatesWriter, cli, remote
 from dcp_datastates.checkpoints import RetentionPolicy
+from dcp_datastates.s3 import MultipartUpload, RequestBounds, open_fs
 from dcp_datastates.verify import verify_checkpoint
 
 MiB = 1024**2
@@ -277,3 +286,61 @@ def test_upload_benchmark_runs(s3: S3Bucket, tmp_path: Any) -> None:
     res = json.loads(out.read_text())
     assert res["bytes"] > 6 * MiB
     assert set(res["contenders"]) == {"datastates", "s3fs_put", "s3fs_put_part"}
+
+
+def test_a_server_that_stops_answering_fails_the_save_within_the_timeouts(tarpit: Tarpit) -> None:
+    # botocore's read timeout starts only once a request's body is sent, and the body waits for
+    # a "100 Continue" that never comes: without the writer's bound each request hangs for good.
+    so = tarpit.storage_options(connect_s=1, read_s=1)
+    bound = RequestBounds.from_config(so["config_kwargs"]).request_s()
+    assert bound == 2 * (1 + 1) + 1 + 1  # 2 attempts, 1 s of backoff, 1 s of slack
+    url = "s3://ckpt/run/step-1"
+    w = DataStatesWriter("s3://ckpt/run", host_cache_size="8MiB", storage_options=so)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BaseException) as ei:
+            in_thread(lambda: dcp.async_save(state(1, mib=1), storage_writer=w,
+                                             checkpoint_id=url).result(HANG_S))
+        took = time.monotonic() - t0
+    finally:
+        in_thread(w.close, timeout=10, what="close()")
+    msg = str(ei.value)
+    assert url in msg and ("no answer within" in msg or "ReadTimeoutError" in msg), msg
+    assert took < 2 * bound + 5, took  # the first request fails the save; then its clean-up
+
+
+def test_a_stalled_part_is_cut_at_the_upload_deadline_and_aborted(
+    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = S3Calls(monkeypatch)
+    calls.fail = ("upload_part", 2)
+
+    async def stall() -> None:  # the server takes the part and never answers
+        await asyncio.sleep(3600)
+
+    calls.before = stall
+    fs, path = open_fs(s3.url("up", "obj"), s3.storage_options)
+    t0 = time.monotonic()
+    up = MultipartUpload(fs, path, part_bytes=5 * MiB, max_in_flight=2,
+                         deadline=time.monotonic() + 2.0)
+    with pytest.raises(OSError) as ei:
+        in_thread(lambda: [up.write(b"x" * MiB) for _ in range(16)] and up.close())
+    assert time.monotonic() - t0 < 2.0 + 3, time.monotonic() - t0
+    assert f"s3://{s3.name}/up/obj" in str(ei.value) and "deadline" in str(ei.value)
+    assert up.abort() is None  # the stalled part is cancelled, the upload aborted
+    assert s3.pending_uploads() == [] and s3.keys("up") == []
+
+
+def test_request_bounds_follow_botocore_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
+    b = RequestBounds.from_config({"connect_timeout": 3, "read_timeout": 5,
+                                   "retries": {"max_attempts": 2}})
+    assert (b.connect_timeout_s, b.read_timeout_s, b.attempts) == (3, 5, 3)  # 2 retries
+    assert b.request_s() == 3 * (3 + 5) + (1 + 2) + 1
+    assert b.request_s(16 * MiB) == b.request_s() + 3 * 16  # 1 MiB/s per attempt
+    assert RequestBounds.from_config({"retries": {"total_max_attempts": 2}}).attempts == 2
+    assert RequestBounds.from_config(None) == RequestBounds(5.0, 15.0, 5)  # s3fs, legacy mode
+    assert RequestBounds.from_config({"retries": {"mode": "standard"}}).attempts == 3
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
+    assert RequestBounds.from_config({}).attempts == 4

@@ -7,12 +7,15 @@ bucket on moto's S3 server (tests/s3_server.py). Every checkpoint is read back w
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +24,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HANG_S, assert_state_equal, zeros_like_state
-from s3_server import S3Bucket, s3_bucket_fixture, s3_server_fixture  # noqa: F401 - fixtures
+from conftest import HANG_S, assert_state_equal, in_thread, zeros_like_state
+from s3_server import (  # noqa: F401 - fixtures
+    S3Bucket,
+    Tarpit,
+    s3_bucket_fixture,
+    s3_server_fixture,
+    tarpit_fixture,
+)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dcp_datastates import DataStatesWriter, PersistError, remote, resume_path
@@ -572,3 +581,148 @@ def test_fast_retention_skips_a_checkpoint_being_saved_again(fast: Path, tmp_pat
         assert _steps(fast) == ["step-1", "step-3"]
     finally:
         p.close(timeout=HANG_S)
+
+
+def test_persist_timeout_bounds_each_copy_wait_persisted_and_close(
+    fast: Path, tarpit: Tarpit
+) -> None:
+    # The persistent tier stops answering: every copy ends within persist_timeout, reported as
+    # failed; wait_persisted() and close() return within it too.
+    url = "s3://ckpt/run"
+    timeout = 3.0
+    w = DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=url, persist_timeout=timeout,
+        persist_storage_options=tarpit.storage_options(connect_s=1, read_s=1),
+    )
+    try:
+        sd = state(41)
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
+        t0 = time.monotonic()
+        with pytest.raises(PersistError) as ei:
+            in_thread(lambda: w.wait_persisted(), what="wait_persisted()")
+        assert time.monotonic() - t0 < timeout + 5, time.monotonic() - t0
+        msg = str(ei.value)
+        assert f"{url}/step-1" in msg and "persist_timeout (3 s)" in msg, msg
+        assert [s["persist_state"] for s in w.save_stats()] == ["failed"]
+        assert_state_equal(sd, load_local(fast / "step-1", sd))  # the fast copy is intact
+        for step in (2, 3):  # two more copies queued; close() does not wait for each in turn
+            dcp.async_save(state(step), storage_writer=w,
+                           checkpoint_id=str(fast / f"step-{step}")).result(HANG_S)
+        t0 = time.monotonic()
+    finally:
+        in_thread(w.close, what="close()")
+    assert time.monotonic() - t0 < timeout + 5, time.monotonic() - t0
+    errors = [r["error"] for r in w.persist_stats()]
+    assert len(errors) == 3 and all(e and "persist_timeout" in e for e in errors), errors
+
+
+def test_a_copy_past_persist_timeout_aborts_its_upload(
+    fast: Path, s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An S3 server that takes a part and never answers: the copy stops at persist_timeout, its
+    # multipart upload is aborted (no stored parts), the persistent copy stays partial.
+    import s3fs
+
+    from dcp_datastates import tiers
+
+    monkeypatch.setattr(tiers, "_S3_PART_BYTES", 5 * 1024**2, raising=False)
+    orig = s3fs.S3FileSystem._call_s3
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "upload_part" and kwargs.get("PartNumber") == 2:
+            await asyncio.sleep(3600)
+        return await orig(fs, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    url = s3.url("run")
+    sd = {"w": torch.randn(3 * 1024**2), "step": 1}  # 12 MiB: three parts
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=url, persist_timeout=3.0,
+        persist_storage_options=s3.storage_options,
+    ) as w:
+        dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
+        t0 = time.monotonic()
+        with pytest.raises(PersistError, match="step-1/__0_0.distcp"):
+            in_thread(lambda: w.wait_persisted(), what="wait_persisted()")
+        assert time.monotonic() - t0 < 3.0 + 5, time.monotonic() - t0
+    assert s3.pending_uploads() == []
+    keys = s3.keys("run")
+    assert "run/step-1/.metadata" not in keys and "run/step-1/__0_0.distcp" not in keys, keys
+    assert remote.latest_complete(url, storage_options=s3.storage_options) is None
+
+
+def test_saving_again_while_its_copy_runs_supersedes_the_copy(
+    fast: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same checkpoint id saved again and again while its copy to the persistent tier runs:
+    # every save succeeds (the writer's own copy is not "another process"), the old copy stops,
+    # and both tiers end with the last save's contents.
+    from dcp_datastates import tiers
+
+    slow = tmp_path / "slow"
+    orig = tiers._Slow.copy_file
+    copying = threading.Event()
+
+    def slow_copy(self: Any, src: str, rel: str, atomic: bool = False) -> int:
+        copying.set()
+        time.sleep(0.3)  # a slow persistent tier
+        return orig(self, src, rel, atomic)
+
+    monkeypatch.setattr(tiers._Slow, "copy_file", slow_copy)
+    ckpt = fast / "step-1"
+    states = [state(50 + i) for i in range(4)]
+    with DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(slow)) as w:
+        for sd in states:
+            copying.clear()
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=str(ckpt)).result(HANG_S)
+            assert copying.wait(HANG_S)  # its copy runs when the next save begins
+        assert w.wait_persisted(timeout=HANG_S)  # superseded copies are not failures
+        stats = w.save_stats()
+        recs = w.persist_stats()
+    assert [s["error"] for s in stats] == [None] * 4
+    assert [s["persist_state"] for s in stats][-1] == "done"
+    assert "superseded" in [s["persist_state"] for s in stats[:-1]], stats
+    assert all(r["error"] is None for r in recs)
+    for root in (fast, slow):
+        assert_state_equal(states[-1], load_local(root / "step-1", states[-1]))
+    assert latest_complete(slow) == slow / "step-1"
+    assert not (slow / "step-1" / INCOMPLETE_MARKER).exists()
+
+
+def test_a_superseded_s3_copy_aborts_its_upload(
+    fast: Path, s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    from dcp_datastates import tiers
+
+    monkeypatch.setattr(tiers, "_S3_PART_BYTES", 5 * 1024**2, raising=False)
+    orig = s3fs.S3FileSystem._call_s3
+    parts = threading.Event()
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        # A slow object store (a data file's parts): the next save begins mid-copy.
+        if method in ("upload_part", "put_object") and kwargs.get("Key", "").endswith(".distcp"):
+            parts.set()
+            await asyncio.sleep(0.5)
+        return await orig(fs, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    url = s3.url("run")
+    states = [{"w": torch.randn(3 * 1024**2, generator=torch.Generator().manual_seed(i))}
+              for i in range(3)]
+    with DataStatesWriter(
+        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options,
+    ) as w:
+        for sd in states:
+            parts.clear()
+            dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
+            assert parts.wait(HANG_S)
+        assert w.wait_persisted(timeout=HANG_S)
+        persist = [s["persist_state"] for s in w.save_stats()]
+    assert persist[-1] == "done" and "superseded" in persist[:-1], persist
+    assert s3.pending_uploads() == []  # the stopped uploads were aborted
+    out = zeros_like_state(states[-1])
+    dcp.load(out, storage_reader=FsspecReader(url + "/step-1", **s3.storage_options))
+    assert_state_equal(states[-1], out)
+    assert_state_equal(states[-1], load_local(fast / "step-1", states[-1]))
