@@ -40,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -349,7 +350,7 @@ class Checkpointer:
         while len(self.pending) >= MAX_IN_FLIGHT:
             self.finalize(wait=True)  # bound the queue: wait for the oldest save
         path = self.root / f"step-{step}"
-        t0 = time.perf_counter()
+        t0 = CLOCK.now()
         fut: Future[Any] | None = None
         if self.args.sync:
             dcp.save(
@@ -369,14 +370,14 @@ class Checkpointer:
             )
             # an async stager makes async_save return an AsyncSaveResponse
             fut = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp
-        t1 = time.perf_counter()
+        t1 = CLOCK.now()
         pending = PendingSave(step=step, path=path, future=fut, t_call=t0, call_s=t1 - t0)
         if fut is None:
             pending.t_done = t1
         else:
 
             def mark_done(_fut: Future[Any], p: PendingSave = pending) -> None:
-                p.t_done = time.perf_counter()
+                p.t_done = CLOCK.now()
 
             fut.add_done_callback(mark_done)
         self.pending.append(pending)
@@ -402,10 +403,10 @@ class Checkpointer:
             if not p.future.done():
                 if not wait:
                     return
-                t0 = time.perf_counter()
+                t0 = CLOCK.now()
                 p.future.result()
                 if not at_exit:
-                    p.waited_s += time.perf_counter() - t0
+                    p.waited_s += CLOCK.now() - t0
             p.future.result()
         self.pending.popleft()
         if self.rank == 0:
@@ -428,7 +429,7 @@ class Checkpointer:
             blocked = _finite(stats.get("blocked_s"))
             staged = _finite(stats.get("stage_s"))
             step_waits = max(0.0, blocked - staged)
-        t_done = p.t_done if p.t_done is not None else time.perf_counter()
+        t_done = p.t_done if p.t_done is not None else CLOCK.now()
         rec = SaveRecord(
             step=p.step,
             bytes=nbytes,
@@ -438,7 +439,7 @@ class Checkpointer:
         self.records.append(rec)
         pruned = f", pruned {', '.join(r.name for r in removed)}" if removed else ""
         print(
-            f"[ckpt] step-{rec.step}: {rec.bytes / 1e6:.1f} MB, blocked "
+            f"{LOG_PREFIX}[ckpt] step-{rec.step}: {rec.bytes / 1e6:.1f} MB, blocked "
             f"{rec.blocked_s * 1e3:.1f} ms, durable {rec.durable_s:.2f} s{pruned}",
             flush=True,
         )
@@ -475,7 +476,7 @@ def plain_dcp_save_baseline(
     out: list[dict[str, float]] = []
     for i in range(count):
         path = root / f"fs-baseline-{i}"
-        t0 = time.perf_counter()
+        t0 = CLOCK.now()
         dcp.save(
             state,
             storage_writer=dcp.FileSystemWriter(path),
@@ -483,7 +484,7 @@ def plain_dcp_save_baseline(
             process_group=pg,
             no_dist=pg is None,
         )
-        seconds = time.perf_counter() - t0
+        seconds = CLOCK.now() - t0
         if pg is not None:
             dist.barrier(group=pg)
         if rank == 0:
@@ -491,7 +492,7 @@ def plain_dcp_save_baseline(
             shutil.rmtree(path, ignore_errors=True)
             out.append({"bytes": nbytes, "seconds": seconds})
             print(
-                f"[dcp.save] FileSystemWriter: {nbytes / 1e6:.1f} MB, blocked = durable "
+                f"{LOG_PREFIX}[dcp.save] FileSystemWriter: {nbytes / 1e6:.1f} MB, blocked = durable "
                 f"{seconds:.2f} s",
                 flush=True,
             )
@@ -536,9 +537,37 @@ class RunReport:
 # --------------------------------------------------------------------------- main
 
 
+class ActiveClock:
+    """``time.perf_counter()`` less the time this process spent stopped for another's turn.
+
+    With ``--turns N`` (examples/main_job.py interleaves two runs) the process stops itself
+    with SIGSTOP after every N-th step, all its threads with it (the writer's background copies
+    and flushes included), until the job continues it; durations measured with :meth:`now`
+    leave those pauses out. Without ``--turns`` it is ``perf_counter``.
+    """
+
+    def __init__(self) -> None:
+        self.stopped_s = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.stopped_s
+
+    def yield_turn(self) -> None:
+        """Stops this process until it is continued (SIGCONT); the pause is not counted."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        t0 = time.perf_counter()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        self.stopped_s += time.perf_counter() - t0
+
+
+CLOCK = ActiveClock()
+LOG_PREFIX = ""
+
+
 def log(rank: int, msg: str) -> None:
     if rank == 0:
-        print(msg, flush=True)
+        print(f"{LOG_PREFIX}{msg}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -588,11 +617,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "FileSystemWriter (into <ckpt-dir>/fs-baseline-i, deleted afterwards)",
     )
     ap.add_argument(
+        "--fs-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="without checkpoints (--ckpt-every 0): after every K-th step, time a plain dcp.save "
+        "of the state with FileSystemWriter (deleted afterwards); its time is left out of the "
+        "step times",
+    )
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=0,
+        metavar="N",
+        help="single process: stop (SIGSTOP) before the first step and after every N-th, for "
+        "examples/main_job.py to interleave two runs; stopped time is left out of every timing",
+    )
+    ap.add_argument("--log-prefix", default="", help="prefix of every line this run prints")
+    ap.add_argument(
         "--report", default=None, metavar="PATH", help="write the run's timings as JSON"
     )
     args = ap.parse_args(argv)
-    if args.steps < 0 or args.ckpt_every < 0 or args.fs_baseline < 0:
-        ap.error("--steps, --ckpt-every and --fs-baseline must be >= 0")
+    if min(args.steps, args.ckpt_every, args.fs_baseline, args.fs_every, args.turns) < 0:
+        ap.error("--steps, --ckpt-every, --fs-baseline, --fs-every and --turns must be >= 0")
+    if args.fs_every and args.ckpt_every:
+        ap.error("--fs-every times plain dcp.save in a run without checkpoints (--ckpt-every 0)")
     if args.keep_last is not None and args.keep_last <= 0:
         args.keep_last = None  # 0: keep everything
     if args.keep_every is not None and args.keep_every <= 0:
@@ -613,7 +662,9 @@ def setup_distributed(device: str) -> tuple[int, int, dist.ProcessGroup | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global LOG_PREFIX
     args = parse_args(argv)
+    LOG_PREFIX = args.log_prefix
     # single-process dcp.save/load warn on every call that they assume a single process
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     rank, world_size, pg = setup_distributed(args.device)
@@ -659,12 +710,12 @@ def main(argv: list[str] | None = None) -> int:
     resume = latest_complete(root)
     if resume is not None:
         state = app_state(model, opt, 0, data)
-        t0 = time.perf_counter()
+        t0 = CLOCK.now()
         dcp.load(state, checkpoint_id=resume, process_group=pg, no_dist=pg is None)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         data.set_state(state["rng"])
         start_step = int(state["step"])
-        report.load_s = time.perf_counter() - t0
+        report.load_s = CLOCK.now() - t0
         report.resumed_from = os.fspath(resume)
         log(rank, f"resumed from {resume} at step {start_step} ({report.load_s:.2f}s, dcp.load)")
     report.start_step = start_step
@@ -686,8 +737,11 @@ def main(argv: list[str] | None = None) -> int:
     if start_step >= args.steps:
         log(rank, f"checkpoint is at step {start_step} >= --steps {args.steps}: nothing to train")
     loss = torch.tensor(float("nan"))
+    turns = args.turns if world_size == 1 else 0
+    if turns:
+        CLOCK.yield_turn()  # set-up (and the resume's load) done: wait for the first turn
     report.step_times.append([start_step, 0.0])
-    t_loop = time.perf_counter()
+    t_loop = CLOCK.now()
     for step in range(start_step, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, lr)
@@ -703,7 +757,13 @@ def main(argv: list[str] | None = None) -> int:
             ckpt.poll()
             if done % args.ckpt_every == 0:
                 ckpt.save(app_state(model, opt, done, data), done)
-        report.step_times.append([done, time.perf_counter() - t_loop])
+        if args.fs_every and done % args.fs_every == 0:
+            t_fs = CLOCK.now()
+            report.fs_saves += plain_dcp_save_baseline(
+                app_state(model, opt, done, data), root, 1, pg, rank
+            )
+            t_loop += CLOCK.now() - t_fs  # a plain save's cost is its duration: not a step's
+        report.step_times.append([done, CLOCK.now() - t_loop])
         if args.stop_after is not None and done == args.stop_after:
             log(rank, f"simulated crash after step {done}: exiting without waiting for saves")
             if ckpt is not None:
@@ -714,12 +774,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-    t_wait = time.perf_counter()
+        if turns and done % turns == 0 and done < args.steps:
+            CLOCK.yield_turn()
+    t_wait = CLOCK.now()
     if ckpt is not None:
         while ckpt.pending:  # every save must be durable before we exit
             ckpt.finalize(wait=True, at_exit=True)
-    report.exit_wait_s = time.perf_counter() - t_wait
-    elapsed = time.perf_counter() - t_loop
+    report.exit_wait_s = CLOCK.now() - t_wait
+    elapsed = CLOCK.now() - t_loop
 
     final_loss = loss.item()
     param_hash = tree_hash(dict(net.named_parameters()))

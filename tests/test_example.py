@@ -409,3 +409,20 @@ def test_setup_env_rebuilds_when_the_installed_engine_is_gone(tmp_path: Path) ->
     (dist_info / "RECORD").write_text("dcp_datastates/_core.cpython-311-x86_64-linux-gnu.so,,\n")
     out, pip = fake.setup(PYTHONPATH=str(shadow))
     assert _installs(pip) == ["-m pip install -q ."], out
+
+
+def test_summary_of_interleaved_runs_says_whether_the_noise_allows_a_conclusion() -> None:
+    """Turns of 2 steps: the reference's turn durations give the noise; a difference between
+    the writers within twice the noise is reported as inconclusive, not as a result."""
+    mj = _main_job_module()
+    reference, crashed, resumed = _reports()
+    steady = mj.summarize(reference, crashed, resumed, turn=2)
+    assert steady.noise_s == pytest.approx(0.0)  # every turn of the reference took 2 s
+    assert steady.conclusive
+    assert "cost 0.22x a plain dcp.save" in "\n".join(steady.lines)
+    # a reference whose turns took 1 s or 3 s: the same figures no longer conclude
+    reference["step_times"] = [[i, float(i + (i // 2 % 2) * 2)] for i in range(11)]
+    noisy = mj.summarize(reference, crashed, resumed, turn=2)
+    assert noisy.noise_s is not None and noisy.noise_s > 1.0
+    assert not noisy.conclusive
+    assert "too noisy to conclude" in "\n".join(noisy.lines)
