@@ -298,7 +298,9 @@ class TurnTaker:
         try:
             data: dict[str, Any] = json.loads(self.report.read_text())
         except (OSError, ValueError) as exc:
-            raise JobError(f"the {self.name} run left no readable report {self.report}: {exc}")
+            raise JobError(
+                f"the {self.name} run left no readable report {self.report}: {exc}"
+            ) from None
         return data
 
     def kill(self) -> None:

@@ -492,8 +492,8 @@ def plain_dcp_save_baseline(
             shutil.rmtree(path, ignore_errors=True)
             out.append({"bytes": nbytes, "seconds": seconds})
             print(
-                f"{LOG_PREFIX}[dcp.save] FileSystemWriter: {nbytes / 1e6:.1f} MB, blocked = durable "
-                f"{seconds:.2f} s",
+                f"{LOG_PREFIX}[dcp.save] FileSystemWriter: {nbytes / 1e6:.1f} MB, "
+                f"blocked = durable {seconds:.2f} s",
                 flush=True,
             )
     return out
