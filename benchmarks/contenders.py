@@ -618,6 +618,16 @@ class DataStatesPlainIdleFlush(DataStatesPlain):
     writer_options = {"flush_idle": True}
 
 
+class DataStatesPlainNoAdapt(DataStatesPlain):
+    """The plain call with ``adapt_to_load=False``: lazy copies whatever the machine's load.
+    Run beside ``ds_plain`` with ``--contend N`` to see what copying at the call on a busy
+    machine saves."""
+
+    name = "ds_plain_noadapt"
+    label = "DataStates async_save (plain call, adapt_to_load=False)"
+    writer_options = {"adapt_to_load": False}
+
+
 ALL_NAMES: tuple[str, ...] = (
     "torch_save",
     "dcp_fs_t1",
@@ -646,6 +656,7 @@ MLP_NAMES: tuple[str, ...] = (
     "ds_plain_eager",
     "ds_plain_idleflush",
     "ds_plain_late",
+    "ds_plain_noadapt",
     "dcp_fs_t2",
     "dcp_default_stager",
     "dcp_async",
@@ -671,6 +682,7 @@ def make_contender(name: str) -> Contender:
         "ds_plain_eager": DataStatesPlainEager,
         "ds_plain_idleflush": DataStatesPlainIdleFlush,
         "ds_plain_late": DataStatesPlainLate,
+        "ds_plain_noadapt": DataStatesPlainNoAdapt,
         # fixed-configuration names used by the mlp-loop scenario
         "dcp_fs_t2": lambda: DcpSave(2),
         "dcp_default_stager": DcpAsyncStager,
