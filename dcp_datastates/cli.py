@@ -4,7 +4,8 @@
 Exit status of ``verify``: 0 every checkpoint verified intact; 1 at least one is damaged; 2 a path
 could not be checked (missing, not a checkpoint, unreadable) or bad usage; 3 no damage found but
 something could not be verified (a save made with ``checksums=False``). ``cleanup`` exits 0 on
-success and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
+success, 1 if a partial checkpoint could not be removed (each is named; the others are removed)
+and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
 checkpoint cannot be exported (damaged data, a tensor safetensors cannot hold: the error names
 it), 2 if the input is not a checkpoint, the output exists (without ``--overwrite``) or on bad
 usage. Object-store URLs (``s3://...``) take
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .verify import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, verify_paths
 
@@ -66,14 +68,17 @@ def _cleanup(root: str, min_age: float | None, exclude: list[str]) -> int:
     if not path.is_dir():
         print(f"error: checkpoint root {root} is not a directory", file=sys.stderr)
         return EXIT_ERROR
+    failed: dict[Path, OSError] = {}
     try:
-        removed = cleanup_incomplete(path, exclude=exclude, min_age=min_age)
+        removed = cleanup_incomplete(path, exclude=exclude, min_age=min_age, failed=failed)
     except OSError as e:
         print(f"error: cleanup of {root} failed: {e}", file=sys.stderr)
         return EXIT_ERROR
     for p in removed:
         print(f"removed {p}")
-    return EXIT_OK
+    for p, err in failed.items():
+        print(f"error: could not remove {p}: {err}", file=sys.stderr)
+    return EXIT_DAMAGED if failed else EXIT_OK
 
 
 def _export(args: argparse.Namespace) -> int:
