@@ -86,6 +86,7 @@ def _export(args: argparse.Namespace) -> int:
     from .export import (
         ExportError,
         NotACheckpointError,
+        NothingToExportError,
         OutputExistsError,
         export_checkpoint,
         parse_dtype,
@@ -102,8 +103,9 @@ def _export(args: argparse.Namespace) -> int:
         res = export_checkpoint(
             args.ckpt, args.out, max_shard_bytes=max_shard, buffer_bytes=buffer, dtype=dtype,
             prefix=args.prefix, overwrite=args.overwrite, progress=not args.quiet,
+            include_all=args.all,
         )
-    except (NotACheckpointError, OutputExistsError) as e:
+    except (NotACheckpointError, OutputExistsError, NothingToExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except ExportError as e:
@@ -115,7 +117,15 @@ def _export(args: argparse.Namespace) -> int:
     if res.skipped:
         print(f"skipped {len(res.skipped)} non-tensor value(s): {', '.join(res.skipped)}",
               file=sys.stderr)
-    print(f"exported {res.tensors} tensor(s), {res.bytes} bytes: {', '.join(res.files)}")
+    if res.excluded:
+        print(f"left out {len(res.excluded)} optimizer-state tensor(s) (e.g. "
+              f"{res.excluded[0]}); --all exports them", file=sys.stderr)
+    if res.unverified:
+        print(f"warning: {len(res.unverified)} tensor(s) were saved without checksums "
+              f"(checksums=False) and exported unchecked: {', '.join(res.unverified[:5])}"
+              + (" ..." if len(res.unverified) > 5 else ""), file=sys.stderr)
+    print(f"exported {res.tensors} tensor(s), {res.bytes} bytes ({res.bytes_verified} payload "
+          f"bytes checked against their checksums): {', '.join(res.files)}")
     return EXIT_OK
 
 
@@ -168,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--dtype", default=None, metavar="DTYPE",
                    help="cast floating-point tensors (2+ bytes) to bf16, fp16 or fp32")
     x.add_argument("--prefix", default=None,
-                   help="export only tensors named PREFIX..., without the prefix (e.g. model.)")
+                   help="export only tensors named PREFIX..., without the prefix: model. for a "
+                   "{'model': ..., 'optim': ...} state; torchtitan and get_model_state_dict "
+                   "checkpoints keep the weights at the top level (no prefix needed). A prefix "
+                   "matching no tensor is an error listing the prefixes there are")
+    x.add_argument("--all", action="store_true",
+                   help="export every tensor; by default optimizer state (the state.* and "
+                   "param_groups.* of an optimizer state dict, e.g. optim.state.*) is left out")
     x.add_argument("--overwrite", action="store_true", help="replace existing output files")
     x.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
