@@ -1,16 +1,23 @@
-"""Command line: ``python -m dcp_datastates verify PATH...``, ``... cleanup ROOT`` and
-``... export CKPT OUT``.
+"""Command line: ``dcp-datastates verify PATH...``, ``dcp-datastates cleanup ROOT`` and
+``dcp-datastates export CKPT OUT``.
+
+``dcp-datastates`` is the console command the package installs; it works from any directory.
+``python -m dcp_datastates ...`` is the same, except inside a source checkout that was not built
+in place (the source folder shadows the installed package, and the import says so).
 
 Exit status of ``verify``: 0 every checkpoint verified intact; 1 at least one is damaged; 2 a path
 could not be checked (missing, not a checkpoint, unreadable) or bad usage; 3 no damage found but
 something could not be verified (a save made with ``checksums=False``). ``cleanup`` exits 0 on
 success, 1 if a partial checkpoint could not be removed (each is named; the others are removed)
 and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
-checkpoint cannot be exported (damaged data, a tensor safetensors cannot hold: the error names
-it), 2 if the input is not a checkpoint, the output exists (without ``--overwrite``) or on bad
-usage. Object-store URLs (``s3://...``) take
-their storage options from fsspec's configuration (``FSSPEC_S3='{"endpoint_url": ...}'``);
-``cleanup`` of such a root requires ``--min-age`` (:mod:`dcp_datastates.remote`).
+checkpoint cannot be exported (damaged data, a checksum mismatch, a tensor safetensors cannot
+hold: the error names it), 2 if the input is not a checkpoint, the selection holds no tensor (a
+``--prefix`` matching nothing: the error lists the prefixes there are), the output exists
+(without ``--overwrite``) or on bad usage. ``verify`` and ``export`` draw progress on stderr when
+it is a terminal (``--progress`` forces it, ``--quiet`` turns it off). Object-store URLs
+(``s3://...``) take their storage options from fsspec's configuration
+(``FSSPEC_S3='{"endpoint_url": ...}'``); ``cleanup`` of such a root requires ``--min-age``
+(:mod:`dcp_datastates.remote`).
 """
 
 from __future__ import annotations
@@ -22,8 +29,22 @@ from pathlib import Path
 from .verify import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, verify_paths
 
 
-def _verify(paths: list[str]) -> int:
-    reports = verify_paths(paths)
+def _progress_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", action="store_true",
+                   help="draw progress on stderr even when it is not a terminal")
+    g.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress goes to stderr when it is a terminal, or with --progress; never with --quiet."""
+    if args.quiet:
+        return False
+    return bool(args.progress or sys.stderr.isatty())
+
+
+def _verify(paths: list[str], progress: bool = False) -> int:
+    reports = verify_paths(paths, progress=progress)
     for rep in reports:
         print(rep.summary(), flush=True)
     codes = {rep.exit_code for rep in reports}
@@ -102,7 +123,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         res = export_checkpoint(
             args.ckpt, args.out, max_shard_bytes=max_shard, buffer_bytes=buffer, dtype=dtype,
-            prefix=args.prefix, overwrite=args.overwrite, progress=not args.quiet,
+            prefix=args.prefix, overwrite=args.overwrite, progress=_show_progress(args),
             include_all=args.all,
         )
     except (NotACheckpointError, OutputExistsError, NothingToExportError) as e:
@@ -131,7 +152,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m dcp_datastates",
+        prog="dcp-datastates",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -142,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument(
         "paths", nargs="+", help="checkpoint directories, checkpoint roots, or fsspec URLs"
     )
+    _progress_flags(v)
     c = sub.add_parser(
         "cleanup",
         help="remove partial (never committed) checkpoints under ROOT whose writer is gone",
@@ -186,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="export every tensor; by default optimizer state (the state.* and "
                    "param_groups.* of an optimizer state dict, e.g. optim.state.*) is left out")
     x.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    x.add_argument("--quiet", action="store_true", help="no progress bar")
+    _progress_flags(x)
     args = p.parse_args(argv)
     if args.cmd == "export":
         return _export(args)
     if args.cmd == "verify":
-        return _verify(args.paths)
+        return _verify(args.paths, _show_progress(args))
     if args.min_age is not None and args.min_age < 0:
         p.error("--min-age must be >= 0")
     return _cleanup(args.root, args.min_age, args.exclude)

@@ -43,10 +43,8 @@ import itertools
 import json
 import math
 import os
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
@@ -56,6 +54,7 @@ from .errors import DataStatesError
 from .incremental import is_reference_path, relative_path
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
+from .progress import Progress
 from .safetensors_format import (
     SUFFIX,
     HeaderEntry,
@@ -142,53 +141,6 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(
             f"--dtype {name!r}: expected one of {', '.join(sorted(DTYPE_ALIASES))}"
         ) from None
-
-
-class _Progress:
-    """A progress bar on stderr: tqdm if installed, else a line redrawn at most twice a second."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self._bar: Any = None
-        self._last = 0.0
-        if enabled:
-            try:
-                from tqdm import tqdm  # type: ignore[import-untyped]
-
-                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="export",
-                                 file=sys.stderr)
-            except ImportError:
-                self._bar = None
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.5 or self.done >= self.total:
-            self._last = now
-            pct = 100.0 * self.done / self.total if self.total else 100.0
-            sys.stderr.write(f"\rexport {pct:5.1f}% {_human(self.done)} / {_human(self.total)}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def optimizer_prefixes(keys: list[str]) -> set[str]:
@@ -513,7 +465,7 @@ def _write_all(out: BinaryIO, t: torch.Tensor) -> None:
 
 def _stream_tensor(
     t: _Tensor, out: BinaryIO, unit: int, scratch: list[torch.Tensor], files: _Files,
-    progress: _Progress,
+    progress: Progress,
 ) -> int:
     """Writes tensor ``t`` (row-major, ``out_dtype``) to ``out`` in slabs of at most ``unit``
     bytes each; ``scratch`` holds the three reusable buffers of ``unit`` bytes. Every byte read
@@ -657,7 +609,7 @@ def export_checkpoint(
     unit = buffer_bytes // 3
     scratch = [torch.empty(unit, dtype=torch.uint8) for _ in range(3)]
     total = sum(t.out_bytes for t in tensors)
-    bar = _Progress(total, progress)
+    bar = Progress(total, progress, "export")
     files = _Files(ckpt)
     weight_map: dict[str, str] = {}
     partials: list[str] = []

@@ -50,8 +50,9 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         f"dcp_datastates was imported from {_here}, which has no built native module '_core'. "
         "This happens when Python runs in a source checkout (the current directory comes first "
-        "on sys.path and shadows the installed package): run from another directory, or build "
-        "the checkout in place with `pip install --no-build-isolation -e .`"
+        "on sys.path and shadows the installed package). Use the `dcp-datastates` command, "
+        "which works from any directory, or run Python from another directory, or build the "
+        "checkout in place with `pip install --no-build-isolation -e .`"
     ) from _e
 
 from .commit import INCOMPLETE_MARKER, MANIFEST_PREFIX, METADATA_FILE, CheckpointDir
@@ -59,6 +60,7 @@ from .errors import IntegrityError
 from .incremental import is_reference_path, relative_path
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
+from .progress import Progress
 from .safetensors_format import SUFFIX as SAFETENSORS_SUFFIX
 from .safetensors_format import check_item as check_safetensors_item
 
@@ -339,6 +341,9 @@ class _Verifier:
         self.files: dict[str, BinaryIO | None] = {}
         self.sizes: dict[str, int | None] = {}
         self.st_headers: dict[str, Any] = {}  # parsed safetensors headers, by file name
+        self.show_progress = False  # set by verify_checkpoint
+        self.bar: Progress | None = None
+        self._item_done = 0
 
     def close(self) -> None:
         for f in self.files.values():
@@ -382,8 +387,14 @@ class _Verifier:
                 self._cross_check(md, storage, by_key)
             except Exception as e:
                 self.problem(f"{METADATA_FILE} is malformed: {type(e).__name__}: {e}")
-        for man in current:
-            self._check_rank(man)
+        total = sum(it.archive_length for man in current for it in man.items)
+        name = self.d.path.rstrip("/").rsplit("/", 1)[-1] or self.d.path
+        self.bar = Progress(total, self.show_progress, f"verify {name}")
+        try:
+            for man in current:
+                self._check_rank(man)
+        finally:
+            self.bar.close()
 
     def _checkpoints_below(self, entries: list[dict[str, Any]]) -> list[str]:
         out = []
@@ -618,44 +629,59 @@ class _Verifier:
                 break
             got = _core.crc32c(block, got)
             left -= len(block)
+            self._tick(len(block))
         return got, n - left
 
     def _check_rank(self, man: RankManifest) -> None:
         self._check_owners(man)
         skipped_items, skipped_bytes = 0, 0
         for it in man.items:
-            self.rep.items += 1
-            where = f"'{it.fqn}' (rank {man.rank}, {relative_path(it)})"
-            if not plain_name(it.file) or (it.ref is not None and not plain_name(it.ref)):
-                self.problem(
-                    f"'{it.fqn}' (rank {man.rank}): the manifest names the file {it.file!r}, "
-                    "which is not a plain file name inside the checkpoint; not opened"
-                )
-                continue
-            f, size = self._open(relative_path(it))
-            if f is None or size is None:
-                self.problem(f"{where}: data file is missing" + self._owner_note(it))
-                continue
-            end = it.archive_offset + it.archive_length
-            if size < end:
-                self.problem(f"{where}: data file is truncated ({size} bytes, item ends at {end})")
-                continue
-            if it.dtype == "bytes":
-                self._check_chunks(f, it, where, it.archive_offset, it.archive_length)
-                continue
-            if not self._check_archive(f, it, where):
-                continue
-            if man.checksums:
-                self._check_chunks(f, it, where, it.payload_offset, it.payload_bytes)
-            else:
-                skipped_items += 1
-                skipped_bytes += it.payload_bytes
+            self._item_done = 0
+            try:
+                if self._check_item(man, it):
+                    skipped_items += 1
+                    skipped_bytes += it.payload_bytes
+            finally:
+                self._tick(max(0, it.archive_length - self._item_done))
         if skipped_items:
             self.rep.unverified.append(
                 f"rank {man.rank}: the payloads of {skipped_items} tensor item(s) "
                 f"({skipped_bytes} bytes) have no checksums (saved with checksums=False); their "
                 "archive headers were checked, their data could not be"
             )
+
+    def _tick(self, n: int) -> None:
+        self._item_done += n
+        if self.bar is not None and n:
+            self.bar.update(n)
+
+    def _check_item(self, man: RankManifest, it: ItemRecord) -> bool:
+        """Checks one item; True if its payload could not be checked (no checksums)."""
+        self.rep.items += 1
+        where = f"'{it.fqn}' (rank {man.rank}, {relative_path(it)})"
+        if not plain_name(it.file) or (it.ref is not None and not plain_name(it.ref)):
+            self.problem(
+                f"'{it.fqn}' (rank {man.rank}): the manifest names the file {it.file!r}, "
+                "which is not a plain file name inside the checkpoint; not opened"
+            )
+            return False
+        f, size = self._open(relative_path(it))
+        if f is None or size is None:
+            self.problem(f"{where}: data file is missing" + self._owner_note(it))
+            return False
+        end = it.archive_offset + it.archive_length
+        if size < end:
+            self.problem(f"{where}: data file is truncated ({size} bytes, item ends at {end})")
+            return False
+        if it.dtype == "bytes":
+            self._check_chunks(f, it, where, it.archive_offset, it.archive_length)
+            return False
+        if not self._check_archive(f, it, where):
+            return False
+        if man.checksums:
+            self._check_chunks(f, it, where, it.payload_offset, it.payload_bytes)
+            return False
+        return True
 
     def _owner_note(self, it: ItemRecord) -> str:
         """Incremental saves: what is wrong with the checkpoint that owns a referenced item."""
@@ -757,12 +783,14 @@ def verify_checkpoint(
     *,
     raise_on_error: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> VerifyReport:
     """Verifies the checkpoint at ``path`` (local path or fsspec URL); never raises for damage.
 
     Returns a :class:`VerifyReport`. With ``raise_on_error`` a damaged checkpoint, or one that
     cannot be checked, raises IntegrityError with the report's summary instead.
     ``storage_options`` are the fsspec options of a non-local URL (as given to the writer).
+    ``progress`` draws the bytes checked on stderr (:class:`dcp_datastates.progress.Progress`).
     """
     spath = os.fspath(path)
     rep = VerifyReport(path=spath)
@@ -771,6 +799,7 @@ def verify_checkpoint(
     except (ValueError, ImportError, OSError) as e:  # a URL fsspec cannot handle
         rep.error = f"cannot open: {type(e).__name__}: {e}"
     else:
+        v.show_progress = progress
         try:
             v.run()
         except OSError as e:
@@ -785,14 +814,18 @@ def verify_checkpoint(
 
 
 def verify_paths(
-    paths: list[str], storage_options: dict[str, Any] | None = None
+    paths: list[str], storage_options: dict[str, Any] | None = None, progress: bool = False
 ) -> list[VerifyReport]:
-    """Verifies each path; a checkpoint root is expanded into the checkpoints under it."""
+    """Verifies each path; a checkpoint root is expanded into the checkpoints under it.
+    ``progress``: as for :func:`verify_checkpoint`, one counter per checkpoint."""
     out: list[VerifyReport] = []
     for p in paths:
-        rep = verify_checkpoint(p, storage_options=storage_options)
+        rep = verify_checkpoint(p, storage_options=storage_options, progress=progress)
         if rep.children:
-            out += [verify_checkpoint(c, storage_options=storage_options) for c in rep.children]
+            out += [
+                verify_checkpoint(c, storage_options=storage_options, progress=progress)
+                for c in rep.children
+            ]
         else:
             out.append(rep)
     return out

@@ -80,7 +80,7 @@ def cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 def test_single_file_bit_exact_with_progress_and_listing(tmp_path: Path, fmt: str) -> None:
     sd = state()
     save(tmp_path / "ckpt", sd, fmt)
-    r = cli(str(tmp_path / "ckpt"), str(tmp_path / "out"), "--buffer", "64KiB")
+    r = cli(str(tmp_path / "ckpt"), str(tmp_path / "out"), "--buffer", "64KiB", "--progress")
     assert r.returncode == 0, r.stderr
     assert "export" in r.stderr and re.search(r"100(\.0)?%", r.stderr)  # tqdm or ours
     assert "skipped 1 non-tensor value(s): step" in r.stderr
