@@ -21,7 +21,7 @@
 Every problem is reported, naming the tensor, the rank and the file; nothing raises for damaged
 input (``raise_on_error`` turns problems into one IntegrityError). What could not be verified
 (payloads of a save made with ``checksums=False``) is reported as *unverified*, never as OK.
-``python -m dcp_datastates verify PATH...`` is the command-line front end; its exit status is
+``dcp-datastates verify PATH...`` is the command-line front end; its exit status is
 :attr:`VerifyReport.exit_code` (0 verified, 1 damaged, 2 could not check, 3 not fully verifiable).
 
 Not detected: a payload byte changed in a save made with ``checksums=False``; damage the CRC-32C
