@@ -190,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         "export",
         help="consolidate a checkpoint into Hugging Face safetensors (model.safetensors, or "
         "shards + model.safetensors.index.json), in bounded memory",
+        description="Writes the model weights (optimizer state is left out unless --all) of a "
+        "checkpoint into Hugging Face safetensors, checking every byte against the CRC-32C "
+        "its manifest recorded (a mismatch: exit 1, naming the tensor and file; nothing is "
+        "left under the output names). Incremental checkpoints are read through their "
+        "references. Exit status 0 exported, 1 damaged or unexportable, 2 not a checkpoint, "
+        "nothing selected, output exists or bad usage.",
     )
     x.add_argument("ckpt", help="checkpoint directory (written by DataStatesWriter)")
     x.add_argument("out", help="output directory (created if missing)")
