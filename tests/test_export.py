@@ -363,3 +363,14 @@ def test_incremental_checkpoint_exports_through_its_references(
     shutil.rmtree(root / "step-1")
     code, err = cli_here(capsys, str(root / "step-2"), str(tmp_path / "o3"), "--quiet")
     assert code == 1 and "'model.frozen'" in err and "step-1" in err and "missing" in err, err
+
+
+def test_checksums_false_exports_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sd = {"model": {"w": torch.randn(30, 7)}}
+    with DataStatesWriter(tmp_path / "ckpt", host_cache_size="1MiB", checksums=False) as w:
+        in_thread(lambda: dcp.save(sd, storage_writer=w, checkpoint_id=tmp_path / "ckpt"))
+    code, err = cli_here(capsys, str(tmp_path / "ckpt"), str(tmp_path / "out"), "--quiet")
+    assert code == 0 and "saved without checksums" in err and "model.w" in err, err
+    assert_state_equal(load_file(str(tmp_path / "out" / "model.safetensors")), flat(sd))
