@@ -182,36 +182,52 @@ class _MetadataUnpickler(_PyUnpickler):  # type: ignore[misc]
     dispatch[pickle.FRAME[0]] = _load_frame
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = False
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            allowed = name == "Size" or isinstance(
-                obj, (torch.dtype, torch.layout, torch.memory_format)
-            )
-        elif module == "torch.distributed.checkpoint.metadata":
-            allowed = name in _DCP_METADATA_CLASSES
-        elif module == "torch.distributed.checkpoint.filesystem":
-            allowed = name == "_StorageInfo"
-        elif module == "torch.serialization":
-            allowed = name == "_get_layout"
-        elif module == "collections":
-            allowed = name == "OrderedDict"
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"refusing to load {module}.{name}: not a class checkpoint metadata uses"
-            )
-        return super().find_class(module, name)
+        return _allowed_class(module, name, super().find_class)
 
 
-def load_metadata(raw: bytes) -> Any:
+class _FastMetadataUnpickler(pickle.Unpickler):
+    """The same restriction on the C unpickler: for bytes that verify already checked, or that
+    the stock reader is about to unpickle with the C unpickler anyway (``load(verify=False)``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _allowed_class(module, name, super().find_class)
+
+
+def _allowed_class(module: str, name: str, find: Any) -> Any:
+    """``find(module, name)`` for the classes a DCP ``Metadata`` pickle uses; else refuses."""
+    allowed = False
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        allowed = name == "Size" or isinstance(
+            obj, (torch.dtype, torch.layout, torch.memory_format)
+        )
+    elif module == "torch.distributed.checkpoint.metadata":
+        allowed = name in _DCP_METADATA_CLASSES
+    elif module == "torch.distributed.checkpoint.filesystem":
+        allowed = name == "_StorageInfo"
+    elif module == "torch.serialization":
+        allowed = name == "_get_layout"
+    elif module == "collections":
+        allowed = name == "OrderedDict"
+    if not allowed:
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name}: not a class checkpoint metadata uses"
+        )
+    return find(module, name)
+
+
+def load_metadata(raw: bytes, *, fast: bool = False) -> Any:
     """Unpickles ``.metadata`` bytes with the restricted unpickler; returns the Metadata.
 
     Raises ValueError (with the cause) for anything that is not a well-formed DCP Metadata.
+    ``fast`` uses the C unpickler (about 3.5x faster), which damaged bytes can make allocate
+    gigabytes: only for bytes already verified, or that the stock reader unpickles anyway.
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
+    unpickler = _FastMetadataUnpickler if fast else _MetadataUnpickler
     try:
-        md = _MetadataUnpickler(io.BytesIO(raw)).load()
+        md = unpickler(io.BytesIO(raw)).load()
     except Exception as e:  # any damage: UnpicklingError, EOFError, MemoryError, TypeError, ...
         raise ValueError(f"{type(e).__name__}: {e}") from e
     if not isinstance(md, Metadata):
