@@ -20,8 +20,10 @@ other's measurement). Writes JSON (``--out``) and prints a summary. Not a test; 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -84,6 +86,8 @@ def main() -> None:
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     root = args.dir or tempfile.mkdtemp(prefix="ds_bench_")
+    if args.dir is None:  # every round's checkpoints, both contenders: gone when the run ends
+        atexit.register(shutil.rmtree, root, True)
     ours = build(args.hidden, args.layers, args.cache)
     assert isinstance(ours.checkpoint_engine, dsds.DataStatesCheckpointEngine)
     plain = build(args.hidden, args.layers, args.cache)

@@ -16,8 +16,9 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         f"dcp_datastates was imported from {os.path.dirname(os.path.abspath(__file__))}, which "
         "has no built native module '_core'. This happens when Python runs in a source checkout "
-        "(the current directory comes first on sys.path and shadows the installed package): run "
-        "from another directory, or build the checkout in place with "
+        "(the current directory comes first on sys.path and shadows the installed package). "
+        "Use the `dcp-datastates` command, which works from any directory, or run Python from "
+        "another directory, or build the checkout in place with "
         "`pip install --no-build-isolation -e .`"
     ) from _e
 

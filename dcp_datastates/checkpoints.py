@@ -216,7 +216,7 @@ def local_root(root: PathLike) -> Path:
 def _state_of(path: Path) -> CheckpointState:
     if (path / METADATA_FILE).is_file():
         return CheckpointState.COMPLETE
-    if (path / INCOMPLETE_MARKER).exists():
+    if os.path.lexists(path / INCOMPLETE_MARKER):  # a link (even dangling) marks it too
         return CheckpointState.PARTIAL
     # A save killed between creating the directory and its marker leaves it empty (or holding
     # only the marker's temporary file): nothing a checkpoint needs, so it is partial too.
@@ -419,15 +419,18 @@ def _remove_checkpoint_dir(
     """
     if _state_of(path) is not expect:
         return False
-    if expect is CheckpointState.PARTIAL and not (path / INCOMPLETE_MARKER).exists():
+    marker = path / INCOMPLETE_MARKER
+    if expect is CheckpointState.PARTIAL and not os.path.lexists(marker):
         # Killed before its marker existed: only an empty directory (or the legacy marker temp
         # file) is removed; rmdir fails harmlessly if a save starts writing into it meanwhile.
         _unlink_quiet(path / f"{INCOMPLETE_MARKER}.tmp")
         return _rmdir_quiet(path)
+    # A symlink under the marker's name is no lock anybody holds (writers open the marker with
+    # O_NOFOLLOW and replace such a link): lock_marker(create=True) removes the link, never its
+    # target, and locks a real marker in its place. Entries are unlinked, never followed.
+    create = expect is CheckpointState.COMPLETE or marker.is_symlink()
     try:
-        fd = lock_marker(
-            str(path), create=expect is CheckpointState.COMPLETE, purpose="a checkpoint deletion"
-        )
+        fd = lock_marker(str(path), create=create, purpose="a checkpoint deletion")
     except FileNotFoundError:
         return False  # removed meanwhile (another cleanup or prune, or a commit removed it)
     if fd is None:
@@ -479,6 +482,7 @@ def cleanup_incomplete(
     exclude: Collection[PathLike] = (),
     min_age: float = 0.0,
     kept: dict[Path, str] | None = None,
+    failed: dict[Path, OSError] | None = None,
 ) -> list[Path]:
     """Remove partial checkpoints (marker present, no ``.metadata``) under ``root``.
 
@@ -488,7 +492,12 @@ def cleanup_incomplete(
     ``min_age`` seconds ago. Safe to run from several processes at once. A root that does
     not exist has nothing to clean (the command line reports it as an error). A directory
     another checkpoint references (incremental saves) is kept, logged, and recorded with the
-    reason in ``kept`` if given.
+    reason in ``kept`` if given. A marker that is a symlink is replaced by a real one (the
+    link is removed, never followed) and the directory is removed like any other.
+
+    A directory that cannot be removed (an ``OSError``: permissions, I/O) does not stop the
+    others: with ``failed`` given, it is recorded there with its error; without it, the first
+    such error is raised once every other directory has been handled.
 
     Returns:
         The removed directories, sorted by step.
@@ -498,6 +507,7 @@ def cleanup_incomplete(
     root_path = local_root(root)
     excluded = _excluded_paths(root_path, exclude)
     removed: list[Path] = []
+    errors: dict[Path, OSError] = {} if failed is None else failed
     now = time.time()
     for info in list_checkpoints(root_path):
         if not info.partial or info.path.resolve() in excluded:
@@ -505,10 +515,16 @@ def cleanup_incomplete(
         try:
             if min_age > 0 and _age_s(info.path, now) < min_age:
                 continue
+            if _remove_checkpoint_dir(info.path, CheckpointState.PARTIAL, kept):
+                removed.append(info.path)
         except FileNotFoundError:
-            continue
-        if _remove_checkpoint_dir(info.path, CheckpointState.PARTIAL, kept):
-            removed.append(info.path)
+            continue  # removed meanwhile
+        except OSError as e:
+            logger.warning("could not remove the partial checkpoint %s: %s", info.path, e)
+            errors[info.path] = e
+    if failed is None and errors:
+        path, err = next(iter(errors.items()))
+        raise OSError(err.errno, f"could not remove {path}: {err.strerror or err}") from err
     return removed
 
 

@@ -1,27 +1,50 @@
-"""Command line: ``python -m dcp_datastates verify PATH...``, ``... cleanup ROOT`` and
-``... export CKPT OUT``.
+"""Command line: ``dcp-datastates verify PATH...``, ``dcp-datastates cleanup ROOT`` and
+``dcp-datastates export CKPT OUT``.
+
+``dcp-datastates`` is the console command the package installs; it works from any directory.
+``python -m dcp_datastates ...`` is the same, except inside a source checkout that was not built
+in place (the source folder shadows the installed package, and the import says so).
 
 Exit status of ``verify``: 0 every checkpoint verified intact; 1 at least one is damaged; 2 a path
 could not be checked (missing, not a checkpoint, unreadable) or bad usage; 3 no damage found but
 something could not be verified (a save made with ``checksums=False``). ``cleanup`` exits 0 on
-success and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
-checkpoint cannot be exported (damaged data, a tensor safetensors cannot hold: the error names
-it), 2 if the input is not a checkpoint, the output exists (without ``--overwrite``) or on bad
-usage. Object-store URLs (``s3://...``) take
-their storage options from fsspec's configuration (``FSSPEC_S3='{"endpoint_url": ...}'``);
-``cleanup`` of such a root requires ``--min-age`` (:mod:`dcp_datastates.remote`).
+success, 1 if a partial checkpoint could not be removed (each is named; the others are removed)
+and 2 if the root is missing or not a directory. ``export`` exits 0 on success, 1 if the
+checkpoint cannot be exported (damaged data, a checksum mismatch, a tensor safetensors cannot
+hold: the error names it), 2 if the input is not a checkpoint, the selection holds no tensor (a
+``--prefix`` matching nothing: the error lists the prefixes there are), the output exists
+(without ``--overwrite``) or on bad usage. ``verify`` and ``export`` draw progress on stderr when
+it is a terminal (``--progress`` forces it, ``--quiet`` turns it off). Object-store URLs
+(``s3://...``) take their storage options from fsspec's configuration
+(``FSSPEC_S3='{"endpoint_url": ...}'``); ``cleanup`` of such a root requires ``--min-age``
+(:mod:`dcp_datastates.remote`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .verify import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, verify_paths
 
 
-def _verify(paths: list[str]) -> int:
-    reports = verify_paths(paths)
+def _progress_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", action="store_true",
+                   help="draw progress on stderr even when it is not a terminal")
+    g.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress goes to stderr when it is a terminal, or with --progress; never with --quiet."""
+    if args.quiet:
+        return False
+    return bool(args.progress or sys.stderr.isatty())
+
+
+def _verify(paths: list[str], progress: bool = False) -> int:
+    reports = verify_paths(paths, progress=progress)
     for rep in reports:
         print(rep.summary(), flush=True)
     codes = {rep.exit_code for rep in reports}
@@ -66,14 +89,17 @@ def _cleanup(root: str, min_age: float | None, exclude: list[str]) -> int:
     if not path.is_dir():
         print(f"error: checkpoint root {root} is not a directory", file=sys.stderr)
         return EXIT_ERROR
+    failed: dict[Path, OSError] = {}
     try:
-        removed = cleanup_incomplete(path, exclude=exclude, min_age=min_age)
+        removed = cleanup_incomplete(path, exclude=exclude, min_age=min_age, failed=failed)
     except OSError as e:
         print(f"error: cleanup of {root} failed: {e}", file=sys.stderr)
         return EXIT_ERROR
     for p in removed:
         print(f"removed {p}")
-    return EXIT_OK
+    for p, err in failed.items():
+        print(f"error: could not remove {p}: {err}", file=sys.stderr)
+    return EXIT_DAMAGED if failed else EXIT_OK
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -81,6 +107,7 @@ def _export(args: argparse.Namespace) -> int:
     from .export import (
         ExportError,
         NotACheckpointError,
+        NothingToExportError,
         OutputExistsError,
         export_checkpoint,
         parse_dtype,
@@ -96,9 +123,10 @@ def _export(args: argparse.Namespace) -> int:
     try:
         res = export_checkpoint(
             args.ckpt, args.out, max_shard_bytes=max_shard, buffer_bytes=buffer, dtype=dtype,
-            prefix=args.prefix, overwrite=args.overwrite, progress=not args.quiet,
+            prefix=args.prefix, overwrite=args.overwrite, progress=_show_progress(args),
+            include_all=args.all,
         )
-    except (NotACheckpointError, OutputExistsError) as e:
+    except (NotACheckpointError, OutputExistsError, NothingToExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except ExportError as e:
@@ -110,13 +138,21 @@ def _export(args: argparse.Namespace) -> int:
     if res.skipped:
         print(f"skipped {len(res.skipped)} non-tensor value(s): {', '.join(res.skipped)}",
               file=sys.stderr)
-    print(f"exported {res.tensors} tensor(s), {res.bytes} bytes: {', '.join(res.files)}")
+    if res.excluded:
+        print(f"left out {len(res.excluded)} optimizer-state tensor(s) (e.g. "
+              f"{res.excluded[0]}); --all exports them", file=sys.stderr)
+    if res.unverified:
+        print(f"warning: {len(res.unverified)} tensor(s) were saved without checksums "
+              f"(checksums=False) and exported unchecked: {', '.join(res.unverified[:5])}"
+              + (" ..." if len(res.unverified) > 5 else ""), file=sys.stderr)
+    print(f"exported {res.tensors} tensor(s), {res.bytes} bytes ({res.bytes_verified} payload "
+          f"bytes checked against their checksums): {', '.join(res.files)}")
     return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m dcp_datastates",
+        prog="dcp-datastates",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -127,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument(
         "paths", nargs="+", help="checkpoint directories, checkpoint roots, or fsspec URLs"
     )
+    _progress_flags(v)
     c = sub.add_parser(
         "cleanup",
         help="remove partial (never committed) checkpoints under ROOT whose writer is gone",
@@ -153,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         "export",
         help="consolidate a checkpoint into Hugging Face safetensors (model.safetensors, or "
         "shards + model.safetensors.index.json), in bounded memory",
+        description="Writes the model weights (optimizer state is left out unless --all) of a "
+        "checkpoint into Hugging Face safetensors, checking every byte against the CRC-32C "
+        "its manifest recorded (a mismatch: exit 1, naming the tensor and file; nothing is "
+        "left under the output names). Incremental checkpoints are read through their "
+        "references. Exit status 0 exported, 1 damaged or unexportable, 2 not a checkpoint, "
+        "nothing selected, output exists or bad usage.",
     )
     x.add_argument("ckpt", help="checkpoint directory (written by DataStatesWriter)")
     x.add_argument("out", help="output directory (created if missing)")
@@ -163,14 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--dtype", default=None, metavar="DTYPE",
                    help="cast floating-point tensors (2+ bytes) to bf16, fp16 or fp32")
     x.add_argument("--prefix", default=None,
-                   help="export only tensors named PREFIX..., without the prefix (e.g. model.)")
+                   help="export only tensors named PREFIX..., without the prefix: model. for a "
+                   "{'model': ..., 'optim': ...} state; torchtitan and get_model_state_dict "
+                   "checkpoints keep the weights at the top level (no prefix needed). A prefix "
+                   "matching no tensor is an error listing the prefixes there are")
+    x.add_argument("--all", action="store_true",
+                   help="export every tensor; by default optimizer state (the state.* and "
+                   "param_groups.* of an optimizer state dict, e.g. optim.state.*) is left out")
     x.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    x.add_argument("--quiet", action="store_true", help="no progress bar")
+    _progress_flags(x)
     args = p.parse_args(argv)
     if args.cmd == "export":
         return _export(args)
     if args.cmd == "verify":
-        return _verify(args.paths)
+        return _verify(args.paths, _show_progress(args))
     if args.min_age is not None and args.min_age < 0:
         p.error("--min-age must be >= 0")
     return _cleanup(args.root, args.min_age, args.exclude)

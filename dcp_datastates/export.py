@@ -1,9 +1,25 @@
 """Export: a DCP checkpoint of ours -> consolidated Hugging Face safetensors.
 
-``python -m dcp_datastates export CKPT OUT`` (or :func:`export_checkpoint`) reads ``.metadata``,
-reassembles every tensor from its chunks (any number of ranks, any sharding) and writes
+``dcp-datastates export CKPT OUT`` (or :func:`export_checkpoint`) reads ``.metadata``,
+reassembles every selected tensor from its chunks (any number of ranks, any sharding) and writes
 ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
 ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``.
+
+Selection: by default the model weights only. Optimizer state is left out: an optimizer state
+dict (``Optimizer.state_dict()``, ``get_optimizer_state_dict``, flattened or not) always holds
+``param_groups``, so every key under ``P + "state."`` or ``P + "param_groups."`` where some key
+starts with ``P + "param_groups."`` (``P`` empty or ending in ``.``: ``optim.``, torchtitan's
+``optimizer.``, Lightning's ``optimizer_states.0.``) is optimizer state. ``include_all`` exports
+everything. ``prefix`` narrows the selection to the tensors named ``prefix...``; a selection
+without any tensor is an error (:class:`NothingToExportError`) naming the prefixes that exist.
+
+Integrity: every byte exported is checked against the CRC-32C its rank's manifest recorded, as
+it is read (each chunk's bytes are read once, in file order); a mismatch fails the export naming
+the tensor, chunk, file and byte range. Chunks of a save made with ``checksums=False`` are
+exported unchecked and listed in :attr:`ExportResult.unverified`. Incremental checkpoints are
+exported whole: a chunk whose bytes live in a sibling checkpoint (``../<owner>/<file>`` in
+``.metadata``) is read from there and checked against the referring manifest's CRC-32C; a missing
+owner is an error naming it.
 
 Memory is bounded by ``buffer_bytes``: each output tensor is produced in slabs (a range of one
 dimension, all of the inner ones) that fit a third of the buffer; each chunk's share of a slab is
@@ -14,9 +30,10 @@ archives (format "torch") are located through the archive template of their dtyp
 the archive header is checked; chunks in ``.safetensors`` files (format "safetensors") are read
 raw. Non-tensor values cannot go in safetensors: they are skipped and listed.
 
-Output files are written under a temporary name, synced and renamed; the index comes last.
-Errors name the tensor (and chunk, file) and raise :class:`ExportError`; nothing is left under
-the final names of a failed export. Single-threaded; no state between calls.
+Output files are written under a temporary name (``<name>.partial``), synced and renamed only
+once every tensor of every file was written and checked; the index comes last. Errors name the
+tensor (and chunk, file) and raise :class:`ExportError`; the temporary files of a failed export
+are removed and nothing is left under the final names. Single-threaded; no state between calls.
 """
 
 from __future__ import annotations
@@ -26,16 +43,18 @@ import itertools
 import json
 import math
 import os
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
-from .commit import METADATA_FILE
+from . import _core
+from .commit import MANIFEST_PREFIX, METADATA_FILE
 from .errors import DataStatesError
+from .incremental import is_reference_path, relative_path
 from .layout import TemplateCache
+from .manifest import ItemRecord, RankManifest
+from .progress import Progress
 from .safetensors_format import (
     SUFFIX,
     HeaderEntry,
@@ -73,12 +92,18 @@ class OutputExistsError(ExportError):
     """An output file exists already and ``overwrite`` is off."""
 
 
+class NothingToExportError(ExportError):
+    """The selection (``prefix``, the model-only default) holds no tensor; the message lists the
+    top-level prefixes the checkpoint's tensors have."""
+
+
 @dataclass(frozen=True)
 class _Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    file: str
+    file: str  # relative to the checkpoint: a plain name, or ../<owner>/<name> (incremental)
     payload: int  # file offset of the chunk's raw bytes (row-major)
+    crcs: tuple[tuple[int, int, int], ...] = ()  # (file offset, bytes, CRC-32C), sorted
 
 
 @dataclass
@@ -103,6 +128,9 @@ class ExportResult:
     tensors: int
     bytes: int  # tensor bytes written
     skipped: list[str] = field(default_factory=list)  # non-tensor values, not exported
+    excluded: list[str] = field(default_factory=list)  # optimizer-state tensors left out
+    unverified: list[str] = field(default_factory=list)  # tensors saved without checksums
+    bytes_verified: int = 0  # payload bytes checked against their CRC-32C
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -115,57 +143,60 @@ def parse_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-class _Progress:
-    """A progress bar on stderr: tqdm if installed, else a line redrawn at most twice a second."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self._bar: Any = None
-        self._last = 0.0
-        if enabled:
-            try:
-                from tqdm import tqdm  # type: ignore[import-untyped]
-
-                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="export",
-                                 file=sys.stderr)
-            except ImportError:
-                self._bar = None
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.5 or self.done >= self.total:
-            self._last = now
-            pct = 100.0 * self.done / self.total if self.total else 100.0
-            sys.stderr.write(f"\rexport {pct:5.1f}% {_human(self.done)} / {_human(self.total)}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+def optimizer_prefixes(keys: list[str]) -> set[str]:
+    """The prefixes ``P`` (``""`` or ending in ``.``) under which ``keys`` hold an optimizer state
+    dict: some key starts with ``P + "param_groups."``."""
+    out: set[str] = set()
+    for k in keys:
+        i = k.find("param_groups.")
+        while i >= 0:
+            if i == 0 or k[i - 1] == ".":
+                out.add(k[:i])
+            i = k.find("param_groups.", i + 1)
+    return out
 
 
-def _human(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+def _is_optimizer_state(fqn: str, prefixes: set[str]) -> bool:
+    return any(fqn.startswith((p + "state.", p + "param_groups.")) for p in prefixes)
+
+
+def _top_level(keys: list[str]) -> str:
+    """``a. (3), b. (1)``: the first name component of ``keys``, with counts (at most 12)."""
+    counts: dict[str, int] = {}
+    for k in keys:
+        head = k.split(".", 1)[0] + ("." if "." in k else "")
+        counts[head] = counts.get(head, 0) + 1
+    shown = [f"{h} ({n})" for h, n in sorted(counts.items())[:12]]
+    more = f" and {len(counts) - 12} more" if len(counts) > 12 else ""
+    return ", ".join(shown) + more
+
+
+def _records(ckpt: str) -> tuple[dict[tuple[str, tuple[int, ...]], list[tuple[ItemRecord, bool]]],
+                                 list[str]]:
+    """Every tensor item of every manifest in ``ckpt`` by (fqn, offsets), with its manifest's
+    ``checksums`` flag; and what was wrong with manifests that could not be read."""
+    out: dict[tuple[str, tuple[int, ...]], list[tuple[ItemRecord, bool]]] = {}
+    problems: list[str] = []
+    for name in sorted(os.listdir(ckpt)):
+        if not (name.startswith(MANIFEST_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(ckpt, name), "rb") as f:
+                man = RankManifest.from_json(f.read().decode())
+        except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
+            problems.append(f"{name} is damaged: {e}")
+            continue
+        for it in man.items:
+            if it.offset is not None:
+                out.setdefault((it.fqn, tuple(it.offset)), []).append((it, man.checksums))
+    return out, problems
 
 
 def _plan(
-    ckpt: str, dtype: torch.dtype | None, prefix: str | None
-) -> tuple[list[_Tensor], list[str]]:
-    """The tensors to export (in the checkpoint's order) and the non-tensor keys skipped."""
+    ckpt: str, dtype: torch.dtype | None, prefix: str | None, include_all: bool = False
+) -> tuple[list[_Tensor], list[str], list[str], list[str]]:
+    """The tensors to export (in the checkpoint's order), the non-tensor keys skipped, the
+    optimizer-state tensors left out and the tensors whose bytes have no checksums."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     md_path = os.path.join(ckpt, METADATA_FILE)
@@ -180,13 +211,23 @@ def _plan(
         ) from None
     except ValueError as e:
         raise ExportError(f"{md_path}: damaged: {e}") from None
+    records, manifest_problems = _records(ckpt)
+    all_tensors = [k for k, v in md.state_dict_metadata.items()
+                   if isinstance(v, TensorStorageMetadata)]
+    opt = set() if include_all else optimizer_prefixes(list(md.state_dict_metadata))
     templates = TemplateCache()
     tensors: list[_Tensor] = []
     skipped: list[str] = []
+    excluded: list[str] = []
+    unverified: list[str] = []
     for fqn, smd in md.state_dict_metadata.items():
         if prefix is not None and not fqn.startswith(prefix):
             continue
         key = fqn[len(prefix):] if prefix else fqn
+        if _is_optimizer_state(fqn, opt):
+            if isinstance(smd, TensorStorageMetadata):
+                excluded.append(fqn)
+            continue
         if not isinstance(smd, TensorStorageMetadata):
             skipped.append(fqn)
             continue
@@ -214,7 +255,15 @@ def _plan(
                     f"{list(info.transform_descriptors)} (_extensions), which export does not "
                     "undo; load it with dcp.load and save it again without _extensions"
                 )
-            if os.path.basename(rel) != rel or rel in ("", ".", ".."):
+            if is_reference_path(rel):
+                owner = rel.split("/")[1]
+                if not os.path.isdir(os.path.join(ckpt, os.pardir, owner)):
+                    raise ExportError(
+                        f"{where}: its bytes live in the checkpoint {owner} this incremental "
+                        f"checkpoint references ({rel}), which is missing: restore it beside "
+                        f"{os.path.basename(os.path.normpath(ckpt))}"
+                    )
+            elif os.path.basename(rel) != rel or rel in ("", ".", ".."):
                 raise ExportError(f"{where}: {METADATA_FILE} names the file {rel!r}")
             nbytes = math.prod(sizes) * src.itemsize
             if rel.endswith(SUFFIX):
@@ -239,7 +288,13 @@ def _plan(
                         "is damaged or not laid out as dcp_datastates writes it"
                     )
                 payload = int(info.offset) + len(tmpl.prefix)
-            chunks.append(_Chunk(offs, sizes, rel, payload))
+            crcs, checked = _checksums(
+                records.get((fqn, offs), []), rel, int(info.offset), int(info.length), payload,
+                nbytes, f"{where} ({rel})", manifest_problems,
+            )
+            if not checked and fqn not in unverified:
+                unverified.append(fqn)
+            chunks.append(_Chunk(offs, sizes, rel, payload, crcs))
         covered = sum(math.prod(c.sizes) for c in chunks)
         if covered != math.prod(shape):
             raise ExportError(
@@ -247,10 +302,120 @@ def _plan(
                 f"{math.prod(shape)} ({METADATA_FILE} damaged)"
             )
         tensors.append(_Tensor(fqn, key, src, out, shape, chunks))
+    if not tensors:
+        raise NothingToExportError(_nothing(ckpt, prefix, all_tensors, excluded))
     keys = [t.key for t in tensors]
     if len(set(keys)) != len(keys) or "" in keys or "__metadata__" in keys:
         raise ExportError(f"--prefix {prefix!r} leaves empty, duplicate or reserved tensor names")
-    return tensors, skipped
+    return tensors, skipped, excluded, unverified
+
+
+def _nothing(ckpt: str, prefix: str | None, all_tensors: list[str], excluded: list[str]) -> str:
+    """Why nothing would be exported, and what is there."""
+    if not all_tensors:
+        return f"{ckpt}: the checkpoint holds no tensor (only non-tensor values)"
+    there = f"its tensors' names start with: {_top_level(all_tensors)}"
+    if excluded:
+        under = f" under --prefix {prefix!r}" if prefix else ""
+        return (
+            f"{ckpt}: every tensor{under} is optimizer state ({len(excluded)}, e.g. "
+            f"'{excluded[0]}'), which export leaves out by default: pass --all to export it; "
+            + there
+        )
+    return (
+        f"{ckpt}: --prefix {prefix!r} matches no tensor; {there} (torchtitan and "
+        "get_model_state_dict checkpoints keep the weights at the top level: no --prefix)"
+    )
+
+
+def _checksums(
+    candidates: list[tuple[ItemRecord, bool]], rel: str, offset: int, length: int, payload: int,
+    nbytes: int, where: str, manifest_problems: list[str],
+) -> tuple[tuple[tuple[int, int, int], ...], bool]:
+    """The CRC-32C blocks of one chunk from the manifest record placed where ``.metadata`` puts
+    it, and whether its bytes can be checked (False: saved with ``checksums=False``)."""
+    rec, checksums = next(
+        ((it, c) for it, c in candidates if relative_path(it) == rel
+         and it.archive_offset == offset and it.archive_length == length),
+        (None, False),
+    )
+    if rec is None:
+        why = "; ".join(manifest_problems) if manifest_problems else "manifest missing"
+        raise ExportError(
+            f"{where}: no manifest records this chunk where {METADATA_FILE} puts it ({why}), so "
+            "its bytes cannot be checked; `dcp-datastates verify` tells more"
+        )
+    if rec.payload_offset != payload or rec.payload_bytes != nbytes:
+        raise ExportError(
+            f"{where}: the manifest puts the payload at ({rec.payload_offset}, "
+            f"{rec.payload_bytes}), {METADATA_FILE} at ({payload}, {nbytes})"
+        )
+    if not checksums:
+        return (), False
+    blocks = tuple(sorted(rec.chunks))
+    pos = payload
+    for off, n, _crc in blocks:
+        if off != pos:
+            break
+        pos += n
+    if pos != payload + nbytes:
+        raise ExportError(
+            f"{where}: the recorded checksums do not cover bytes [{payload}, {payload + nbytes}) "
+            "exactly (manifest damaged)"
+        )
+    return blocks, True
+
+
+class _CrcCursor:
+    """Checks one chunk's bytes against its CRC-32C blocks as they are read, in file order.
+
+    ``feed`` takes each read (file offset, address, bytes); a block is compared as soon as its
+    last byte arrived. Reads out of order (not expected: a chunk's part of each slab follows
+    the previous one) switch to re-reading the blocks not yet checked in :meth:`finish`."""
+
+    def __init__(self, chunk: _Chunk, where: str) -> None:
+        self.blocks, self.where = chunk.crcs, where
+        self.i, self.acc, self.filled, self.verified = 0, 0, 0, 0
+        self.pos = self.blocks[0][0] if self.blocks else 0
+        self.in_order = True
+
+    def _mismatch(self, off: int, n: int, want: int, got: int) -> ExportError:
+        return ExportError(
+            f"{self.where}: checksum mismatch in bytes [{off}, {off + n}) (expected crc32c "
+            f"{want:08x}, found {got:08x}): the data file is damaged; nothing was exported"
+        )
+
+    def feed(self, off: int, addr: int, n: int) -> None:
+        if not self.blocks or not self.in_order or n == 0:
+            return
+        if off != self.pos:
+            self.in_order = False
+            return
+        while n > 0 and self.i < len(self.blocks):
+            boff, bn, want = self.blocks[self.i]
+            take = min(n, bn - self.filled)
+            self.acc = _core.crc32c_address(addr, take, self.acc)
+            addr, n, self.filled, self.pos = addr + take, n - take, self.filled + take, \
+                self.pos + take
+            if self.filled == bn:
+                if self.acc != want:
+                    raise self._mismatch(boff, bn, want, self.acc)
+                self.verified += bn
+                self.i, self.acc, self.filled = self.i + 1, 0, 0
+
+    def finish(self, f: BinaryIO) -> int:
+        """Checks the blocks the reads did not complete; returns the bytes verified."""
+        if not self.in_order:
+            self.i, self.verified = 0, 0
+        for boff, bn, want in self.blocks[self.i:]:
+            f.seek(boff)
+            data = f.read(bn)
+            got = _core.crc32c(data, 0)
+            if len(data) != bn or got != want:
+                raise self._mismatch(boff, bn, want, got)
+            self.verified += bn
+        self.i = len(self.blocks)
+        return self.verified
 
 
 def _read_exact(path: str, offset: int, n: int, where: str) -> bytes:
@@ -306,14 +471,18 @@ def _write_all(out: BinaryIO, t: torch.Tensor) -> None:
 
 def _stream_tensor(
     t: _Tensor, out: BinaryIO, unit: int, scratch: list[torch.Tensor], files: _Files,
-    progress: _Progress,
-) -> None:
+    progress: Progress,
+) -> int:
     """Writes tensor ``t`` (row-major, ``out_dtype``) to ``out`` in slabs of at most ``unit``
-    bytes each; ``scratch`` holds the three reusable buffers of ``unit`` bytes."""
+    bytes each; ``scratch`` holds the three reusable buffers of ``unit`` bytes. Every byte read
+    is checked against its chunk's CRC-32C (before the slab holding it is written); returns
+    the bytes verified."""
     shape = t.shape
     numel = math.prod(shape)
+    cursors = [_CrcCursor(c, f"'{t.fqn}' chunk at {list(c.offsets)} ({c.file})")
+               for c in t.chunks]
     if numel == 0:
-        return
+        return 0
     isz = max(t.dtype.itemsize, t.out_dtype.itemsize)
     nd = len(shape)
     if nd == 0:
@@ -332,7 +501,7 @@ def _stream_tensor(
             n = (r1 - r0) * inner
             slab = slab_buf[: n * t.dtype.itemsize].view(t.dtype).view(slab_shape)
             filled = 0
-            for c in t.chunks:
+            for c, cursor in zip(t.chunks, cursors, strict=True):
                 if math.prod(c.sizes) == 0:
                     continue
                 if nd and any(not (o <= i < o + s) for i, o, s in
@@ -362,10 +531,12 @@ def _stream_tensor(
                     if full_rows:
                         dst = slab.view(-1)[(a - r0) * inner:(b - r0) * inner]
                         read_into(f, off, dst, where)
+                        cursor.feed(off, dst.data_ptr(), count * t.dtype.itemsize)
                     else:
                         part_shape = ((b - a),) + tuple(c.sizes[k + 1:])
                         part = read_buf[: count * t.dtype.itemsize].view(t.dtype).view(part_shape)
                         read_into(f, off, part, where)
+                        cursor.feed(off, part.data_ptr(), count * t.dtype.itemsize)
                         box = slab[a - r0:b - r0]
                         for d in range(k + 1, nd):
                             box = box.narrow(d - k, c.offsets[d], c.sizes[d])
@@ -384,6 +555,9 @@ def _stream_tensor(
                 slab = conv
             _write_all(out, slab)
             progress.update(n * t.out_dtype.itemsize)
+    return sum(
+        cur.finish(files.get(c.file, cur.where)) for c, cur in zip(t.chunks, cursors, strict=True)
+    )
 
 
 def export_checkpoint(
@@ -396,6 +570,7 @@ def export_checkpoint(
     prefix: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    include_all: bool = False,
 ) -> ExportResult:
     """Consolidates the DCP checkpoint ``ckpt`` into Hugging Face safetensors in ``out_dir``.
 
@@ -408,19 +583,22 @@ def export_checkpoint(
         dtype: cast floating-point tensors of 2 bytes or more to this dtype (fp8, integers and
             bool are kept).
         prefix: export only tensors whose name starts with it, without it in the output
-            (e.g. ``"model."`` for an ``{"model": ..., "optim": ...}`` state).
+            (e.g. ``"model."`` for an ``{"model": ..., "optim": ...}`` state; torchtitan and
+            ``get_model_state_dict`` checkpoints keep the weights at the top level).
         overwrite: replace existing output files (else an existing one is an error).
         progress: draw a progress bar on stderr.
+        include_all: export optimizer state too (by default it is left out: module docstring).
 
     Raises ExportError naming the tensor for anything that cannot be exported (unsupported
-    dtype, damaged or missing data), NotACheckpointError if ``ckpt`` is not a checkpoint.
+    dtype, damaged or missing data, a checksum mismatch), NotACheckpointError if ``ckpt`` is not
+    a checkpoint, NothingToExportError if the selection holds no tensor.
     """
     ckpt, out_dir = os.fspath(ckpt), os.fspath(out_dir)
     if buffer_bytes < 64 * 1024:
         raise ValueError(f"buffer must be at least 64 KiB, got {buffer_bytes} bytes")
     if max_shard_bytes <= 0:
         raise ValueError(f"max shard size must be positive, got {max_shard_bytes}")
-    tensors, skipped = _plan(ckpt, dtype, prefix)
+    tensors, skipped, excluded, unverified = _plan(ckpt, dtype, prefix, include_all)
     shards = _shards(tensors, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [
@@ -437,10 +615,11 @@ def export_checkpoint(
     unit = buffer_bytes // 3
     scratch = [torch.empty(unit, dtype=torch.uint8) for _ in range(3)]
     total = sum(t.out_bytes for t in tensors)
-    bar = _Progress(total, progress)
+    bar = Progress(total, progress, "export")
     files = _Files(ckpt)
     weight_map: dict[str, str] = {}
     partials: list[str] = []
+    verified = 0
     try:
         for name, shard in zip(names, shards, strict=True):
             entries, pos = [], 0
@@ -456,7 +635,7 @@ def export_checkpoint(
             with open(tmp, "wb") as out:
                 out.write(encode_header(entries, {"format": "pt"}))
                 for t in shard:
-                    _stream_tensor(t, out, unit, scratch, files, bar)
+                    verified += _stream_tensor(t, out, unit, scratch, files, bar)
                 out.flush()
                 os.fsync(out.fileno())
         for name, tmp in zip(names, partials, strict=True):
@@ -480,13 +659,15 @@ def export_checkpoint(
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-    return ExportResult(files=targets, tensors=len(tensors), bytes=total, skipped=skipped)
+    return ExportResult(files=targets, tensors=len(tensors), bytes=total, skipped=skipped,
+                        excluded=excluded, unverified=unverified, bytes_verified=verified)
 
 
 __all__ = [
     "ExportError",
     "ExportResult",
     "NotACheckpointError",
+    "NothingToExportError",
     "OutputExistsError",
     "export_checkpoint",
     "parse_dtype",

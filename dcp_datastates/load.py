@@ -54,7 +54,7 @@ def load(
         md_path = os.path.join(path, METADATA_FILE)
         if os.path.exists(md_path):
             with open(md_path, "rb") as f:
-                md = load_metadata(f.read())
+                md = load_metadata(f.read(), fast=True)  # dcp.load unpickles it too
             if is_safetensors_checkpoint(md):
                 kwargs["storage_reader"] = SafetensorsCheckpointReader(path)
     dcp.load(state_dict, checkpoint_id=path, **kwargs)

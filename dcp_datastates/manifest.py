@@ -2,7 +2,7 @@
 
 Written by every rank (``__datastates_manifest_<rank>.json``, atomically) after its data files are
 durable and before the coordinator commits ``.metadata``. The stock readers ignore it; the verify
-tool (``python -m dcp_datastates verify``) and ``verify_checkpoint`` read it (docs/format.md).
+tool (``dcp-datastates verify``) and ``verify_checkpoint`` read it (docs/format.md).
 """
 
 from __future__ import annotations

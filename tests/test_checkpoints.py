@@ -329,6 +329,58 @@ def test_cleanup_incomplete(tmp_path: Path) -> None:
     assert cleanup_incomplete(tmp_path, exclude=[p3, "step-4"]) == []
 
 
+def test_cleanup_replaces_a_symlinked_marker_and_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A partial directory whose marker is a symlink (to a file elsewhere, or dangling) is
+    removed like the others, links unlinked and never followed; the later ones go too."""
+    from dcp_datastates.cli import main
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "keep.bin"
+    victim.write_bytes(b"precious")
+    p1 = make_partial(root, "step-1")
+    p2 = root / "step-2"
+    p2.mkdir()
+    (p2 / INCOMPLETE_MARKER).symlink_to(victim)
+    (p2 / "__0_0.distcp").symlink_to(outside)  # a linked directory: the link goes, not it
+    p3 = root / "step-3"
+    p3.mkdir()
+    (p3 / INCOMPLETE_MARKER).symlink_to(outside / "nothing-here")
+    (p3 / "__0_0.distcp").write_bytes(b"x")
+    p4 = make_partial(root, "step-4")
+    assert main(["cleanup", str(root)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert all(f"removed {p}" in out for p in (p1, p2, p3, p4)), out
+    assert list(root.iterdir()) == []
+    assert victim.read_bytes() == b"precious" and sorted(os.listdir(outside)) == ["keep.bin"]
+
+
+def test_cleanup_goes_on_past_a_directory_it_cannot_remove(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError on one partial directory is reported naming it (exit 1); the others go."""
+    import dcp_datastates.checkpoints as ck
+    from dcp_datastates.cli import main
+
+    p1, p2, p3 = (make_partial(tmp_path, f"step-{i}") for i in (1, 2, 3))
+    real = ck._remove_checkpoint_dir
+
+    def refuse_p2(path: Path, *args: object, **kwargs: object) -> bool:
+        if path == p2:
+            raise PermissionError(13, "Permission denied", str(path / "__0_0.distcp"))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ck, "_remove_checkpoint_dir", refuse_p2)
+    assert main(["cleanup", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"could not remove {p2}" in err and "Permission denied" in err, err
+    assert not p1.exists() and p2.exists() and not p3.exists()
+    with pytest.raises(PermissionError, match="step-2"):
+        cleanup_incomplete(tmp_path)
+
+
 def test_cleanup_exclude_accepts_str_paths_and_relative(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

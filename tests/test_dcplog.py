@@ -16,8 +16,8 @@ _PROBE = textwrap.dedent(
     from torch.distributed.checkpoint.logger import _dcp_logger
     {setup}
     from dcp_datastates import DataStatesWriter
-    w = DataStatesWriter(tempfile.mkdtemp(), host_cache_size="16MiB")
-    w.close()
+    with tempfile.TemporaryDirectory() as d:
+        DataStatesWriter(d, host_cache_size="16MiB").close()
     print(logging.getLevelName(_dcp_logger.level))
     """
 )
@@ -63,8 +63,9 @@ _PASS_PROBE = textwrap.dedent(
     original = sds._stateful_to_state_dict
     {setup}
     from dcp_datastates import DataStatesWriter
-    DataStatesWriter(tempfile.mkdtemp(), host_cache_size="16MiB").close()
-    DataStatesWriter(tempfile.mkdtemp(), host_cache_size="16MiB").close()  # installs once
+    with tempfile.TemporaryDirectory() as d:
+        DataStatesWriter(d, host_cache_size="16MiB").close()
+        DataStatesWriter(d, host_cache_size="16MiB").close()  # installs once
     replaced = sds._stateful_to_state_dict is not original
     twice = getattr(sds._stateful_to_state_dict, "_dcpds_original", original) is not original
 

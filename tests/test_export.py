@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -79,7 +80,7 @@ def cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 def test_single_file_bit_exact_with_progress_and_listing(tmp_path: Path, fmt: str) -> None:
     sd = state()
     save(tmp_path / "ckpt", sd, fmt)
-    r = cli(str(tmp_path / "ckpt"), str(tmp_path / "out"), "--buffer", "64KiB")
+    r = cli(str(tmp_path / "ckpt"), str(tmp_path / "out"), "--buffer", "64KiB", "--progress")
     assert r.returncode == 0, r.stderr
     assert "export" in r.stderr and re.search(r"100(\.0)?%", r.stderr)  # tqdm or ours
     assert "skipped 1 non-tensor value(s): step" in r.stderr
@@ -143,7 +144,10 @@ def test_two_rank_shards_reassembled_with_a_tiny_buffer(tmp_path: Path) -> None:
     run_ranks(_dtensor_body, str(ckpt), "torch", tmp_path=tmp_path / "work", timeout_s=120)
     res = export_checkpoint(ckpt, tmp_path / "out", buffer_bytes=64 * 1024, progress=False)
     assert res.files == ["model.safetensors"]
-    assert_state_equal(load_file(str(tmp_path / "out" / "model.safetensors")), sharded_full())
+    full = sharded_full()
+    assert_state_equal(load_file(str(tmp_path / "out" / "model.safetensors")), full)
+    # Chunks narrower than a slab: every payload byte was still checked as it was read.
+    assert res.bytes_verified == sum(t.numel() * t.element_size() for t in full.values())
 
 
 def test_damaged_inputs_fail_naming_the_tensor(
@@ -232,3 +236,141 @@ def test_memory_bounded_by_the_buffer(tmp_path: Path) -> None:
     assert growth < 8 * mib + 24 * mib, f"export grew the process by {growth / mib:.1f} MiB"
     out = load_file(str(tmp_path / "out" / "model-00001-of-00002.safetensors"))
     assert out["big"].shape == (16 * mib,)
+
+
+def _flip_payload(ckpt: Path, fqn: str, at: int) -> None:
+    from dcp_datastates.manifest import RankManifest
+
+    man = RankManifest.from_json((ckpt / "__datastates_manifest_0.json").read_text())
+    item = next(it for it in man.items if it.fqn == fqn)
+    with open(ckpt / item.file, "r+b") as f:
+        f.seek(item.payload_offset + at)
+        b = f.read(1)
+        f.seek(item.payload_offset + at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_flipped_payload_byte_fails_and_leaves_no_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    """One flipped payload byte: exit 1 naming the tensor and file; no file under a final name
+    (sharded output: the shards written before the damage are not left either)."""
+    sd = state()
+    save(tmp_path / "ckpt", sd, fmt)
+    res = export_checkpoint(tmp_path / "ckpt", tmp_path / "ok", progress=False)
+    payload = sum(t.numel() * t.element_size() for t in flat(sd).values())
+    assert res.bytes_verified == payload and res.unverified == []
+    _flip_payload(tmp_path / "ckpt", "model.i64", 13)
+    code, err = cli_here(capsys, str(tmp_path / "ckpt"), str(tmp_path / "out"), "--quiet",
+                         "--max-shard-size", "20000", "--buffer", "64KiB")
+    assert code == 1, err
+    assert "'model.i64'" in err and "checksum mismatch" in err, err
+    assert (".distcp" if fmt == "torch" else ".safetensors") in err, err
+    assert os.listdir(tmp_path / "out") == []
+
+
+def _adam_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_state_is_left_out_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``{"model", "optim"}`` of a plain Adam, and the torchtitan layout (weights at the top
+    level, ``optimizer.state.<fqn>.exp_avg``): the default exports the weights only; ``--all``
+    exports everything; a selection of optimizer state alone is an error saying --all."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    model, opt = _adam_state()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    save(tmp_path / "plain", {"model": model.state_dict(), "optim": opt.state_dict(),
+                              "step": 1}, "torch")
+    code, err = cli_here(capsys, str(tmp_path / "plain"), str(tmp_path / "o1"), "--quiet")
+    assert code == 0 and "left out 12 optimizer-state tensor(s)" in err, err
+    assert "skipped 1 non-tensor value(s): step" in err, err  # not the param_groups
+    got = load_file(str(tmp_path / "o1" / "model.safetensors"))
+    assert_state_equal(got, {f"model.{k}": v for k, v in weights.items()})
+    assert cli_here(capsys, str(tmp_path / "plain"), str(tmp_path / "o2"), "--quiet",
+                    "--all")[0] == 0
+    got = load_file(str(tmp_path / "o2" / "model.safetensors"))
+    assert "optim.state.0.exp_avg" in got and len(got) == len(weights) + 12  # + step tensors
+    code, err = cli_here(capsys, str(tmp_path / "plain"), str(tmp_path / "o3"), "--prefix",
+                         "optim.")
+    assert code == 2 and "optimizer state" in err and "--all" in err, err
+
+    titan = dict(model.state_dict())  # torchtitan flattens the model into the top level
+    titan["optimizer"] = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    titan["train_state"] = {"step": 1}
+    save(tmp_path / "titan", titan, "torch")
+    res = export_checkpoint(tmp_path / "titan", tmp_path / "o4", progress=False)
+    assert_state_equal(load_file(str(tmp_path / "o4" / "model.safetensors")), weights)
+    assert res.excluded and all(k.startswith("optimizer.state.") for k in res.excluded)
+
+
+def test_prefix_matching_nothing_fails_listing_the_prefixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--prefix model.`` on a torchtitan-style checkpoint (weights at the top level) matches
+    nothing: exit 2 naming the top-level prefixes there are; no output is written."""
+    sd = {"tok_embeddings.weight": torch.randn(8, 4), "layers": {"0": {"w": torch.randn(4, 4)}},
+          "norm.weight": torch.ones(4), "train_state": {"step": 3}}
+    save(tmp_path / "ckpt", sd, "torch")
+    code, err = cli_here(capsys, str(tmp_path / "ckpt"), str(tmp_path / "out"), "--prefix",
+                         "model.")
+    assert code == 2, err
+    assert "'model.'" in err and "layers. (1)" in err and "tok_embeddings. (1)" in err, err
+    assert not (tmp_path / "out").exists()
+    save(tmp_path / "none", {"step": 3, "name": "x"}, "torch")
+    code, err = cli_here(capsys, str(tmp_path / "none"), str(tmp_path / "out"))
+    assert code == 2 and "no tensor" in err, err
+
+
+def test_incremental_checkpoint_exports_through_its_references(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An incremental save references the frozen tensor in its predecessor: export reads it
+    from there and checks it against the referring manifest; damage there, or the predecessor
+    gone, fails naming the tensor and the referenced checkpoint."""
+    frozen, live = torch.randn(64, 33), torch.zeros(10)
+    root = tmp_path / "root"
+    with DataStatesWriter(root / "step-1", host_cache_size="1MiB", incremental=True) as w:
+        for step in (1, 2):
+            live.add_(1.0)
+            path = root / f"step-{step}"
+            dcp.async_save({"model": {"frozen": frozen, "live": live}}, storage_writer=w,
+                           checkpoint_id=str(path)).result(timeout=CLI_TIMEOUT_S)
+    md = (root / "step-2" / ".metadata").read_bytes()
+    assert b"../step-1/" in md  # the frozen tensor is a reference
+    res = export_checkpoint(root / "step-2", tmp_path / "o1", progress=False)
+    assert res.bytes_verified == (64 * 33 + 10) * 4
+    assert_state_equal(load_file(str(tmp_path / "o1" / "model.safetensors")),
+                       {"model.frozen": frozen, "model.live": live})
+    _flip_payload(root / "step-1", "model.frozen", 100)
+    code, err = cli_here(capsys, str(root / "step-2"), str(tmp_path / "o2"), "--quiet")
+    assert code == 1 and "'model.frozen'" in err and "../step-1/" in err, err
+    assert "checksum mismatch" in err and os.listdir(tmp_path / "o2") == []
+    shutil.rmtree(root / "step-1")
+    code, err = cli_here(capsys, str(root / "step-2"), str(tmp_path / "o3"), "--quiet")
+    assert code == 1 and "'model.frozen'" in err and "step-1" in err and "missing" in err, err
+
+
+def test_checksums_false_exports_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sd = {"model": {"w": torch.randn(30, 7)}}
+    with DataStatesWriter(tmp_path / "ckpt", host_cache_size="1MiB", checksums=False) as w:
+        in_thread(lambda: dcp.save(sd, storage_writer=w, checkpoint_id=tmp_path / "ckpt"))
+    code, err = cli_here(capsys, str(tmp_path / "ckpt"), str(tmp_path / "out"), "--quiet")
+    assert code == 0 and "saved without checksums" in err and "model.w" in err, err
+    assert_state_equal(load_file(str(tmp_path / "out" / "model.safetensors")), flat(sd))

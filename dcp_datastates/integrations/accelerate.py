@@ -27,7 +27,7 @@ What is guaranteed (``tests/test_integration_accelerate.py``): the saves stay sy
 files are plain DCP checkpoints, so ``load_fsdp_model``/``load_fsdp_optimizer`` (stock
 ``FileSystemReader``) and ``accelerate merge-weights`` read them unchanged, bit for bit. What
 you get over ``FileSystemWriter``: one host cache reused across saves, ``O_DIRECT`` writes, a
-CRC-32C per chunk with a manifest (``python -m dcp_datastates verify DIR``), an atomic commit
+CRC-32C per chunk with a manifest (``dcp-datastates verify DIR``), an atomic commit
 with in-progress markers. Not asynchronous: Accelerate has no hook to wait for a save in
 flight, so an asynchronous save here could not be made safe for its ``load_state``.
 
