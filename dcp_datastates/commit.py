@@ -165,12 +165,27 @@ def lock_marker(dir_path: str, *, create: bool, purpose: str) -> int | None:
     a live process holds the lock. With ``create`` the marker is created if missing, and a symlink
     planted under its name is removed (never followed). Raises FileNotFoundError if the directory
     (or, without ``create``, the marker) does not exist or vanishes meanwhile.
+
+    Failure semantics: if the owner record cannot be written into the locked marker (``ENOSPC``,
+    ``EIO``...), the lock is released and the descriptor closed before the error is raised (an
+    OSError naming the marker's path), and a marker this call created is removed again: nothing
+    stays locked, so a later save or cleanup of the directory proceeds.
     """
     marker = os.path.join(dir_path, INCOMPLETE_MARKER)
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(_LOCK_ATTEMPTS):
+        created = False
         try:
-            fd = os.open(marker, flags, 0o644)
+            try:
+                fd = os.open(marker, flags)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    fd = os.open(marker, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    continue  # made by someone else meanwhile (or a symlink): open it again
+                created = True
         except OSError as e:
             if e.errno == errno.ELOOP and create:
                 os.unlink(marker)  # a symlink under our name: remove the link, not its target
@@ -191,13 +206,38 @@ def lock_marker(dir_path: str, *, create: bool, purpose: str) -> int | None:
             st = None
         fst = os.fstat(fd)
         if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, owner_record(purpose), 0)
+            _write_owner_record(fd, marker, purpose, created)
             return fd
         os.close(fd)
         if not create:
             raise FileNotFoundError(errno.ENOENT, "marker removed while locking it", marker)
     raise OSError(errno.EAGAIN, "the marker kept changing while locking it", marker)
+
+
+def _write_owner_record(fd: int, marker: str, purpose: str, created: bool) -> None:
+    """Writes the owner record into the marker ``fd`` locks; on failure removes the marker if
+    ``created`` (this process made it, under the lock: nobody else has used it), releases the
+    lock, closes ``fd`` and raises OSError naming ``marker``."""
+    record = owner_record(purpose)
+    try:
+        os.ftruncate(fd, 0)
+        done = 0
+        while done < len(record):
+            n = os.pwrite(fd, record[done:], done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+    except OSError as e:
+        if created:
+            try:
+                os.unlink(marker)  # still ours: we hold its lock and checked its inode
+            except OSError:
+                pass
+        unlock_marker(fd)
+        code = e.errno if e.errno is not None else errno.EIO
+        raise OSError(
+            code, f"cannot write the lock marker ({e.strerror or e}); nothing was locked", marker
+        ) from e
 
 
 def unlock_marker(fd: int) -> None:
