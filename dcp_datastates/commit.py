@@ -42,7 +42,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import fsspec
@@ -259,12 +259,16 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def claim_and_prepare(d: CheckpointDir, durable: bool) -> str:
+def claim_and_prepare(
+    d: CheckpointDir, durable: bool, before_prepare: Callable[[], None] | None = None
+) -> str:
     """Step 1 (coordinator): claims ``d`` for one save and prepares it; returns the claim key.
 
     Raises CheckpointBusyError if another save to ``d`` is in flight in this process or (local
     paths) in any process on this host or sharing this file system's locks. Pass the key to
-    :func:`release_path` when the save ends, committed or not.
+    :func:`release_path` when the save ends, committed or not. ``before_prepare`` runs under the
+    claim, right before the overwritten checkpoint's files are removed: if it raises, nothing is
+    removed and the claim is released.
     """
     key = d.claim_key
     claim_path(key)
@@ -289,6 +293,8 @@ def claim_and_prepare(d: CheckpointDir, durable: bool) -> str:
             with _active_lock:
                 _held_fds[key] = fd
             refuse_if_referenced(d.path)  # incremental saves: others may need its data files
+        if before_prepare is not None:
+            before_prepare()
         d.prepare(durable)
     except BaseException:
         release_path(key)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,13 +108,16 @@ def end_context_cb(
         ctx.path_key = None
 
 
-def claim_path(ctx: SaveContext, durable: bool) -> None:
+def claim_path(
+    ctx: SaveContext, durable: bool, before_prepare: Callable[[], None] | None = None
+) -> None:
     """Claims the context's path for its save and clears what an overwritten checkpoint left.
 
-    In-process and cross-process (marker flock) claim, then the overwritten checkpoint's files
-    go; on failure the claim is released inside (commit.claim_and_prepare) and the error raised.
+    In-process and cross-process (marker flock) claim, then ``before_prepare`` (which may refuse
+    the save: nothing is removed then), then the overwritten checkpoint's files go; on failure
+    the claim is released inside (commit.claim_and_prepare) and the error raised.
     """
-    ctx.path_key = claim_and_prepare(ctx.directory(), durable)
+    ctx.path_key = claim_and_prepare(ctx.directory(), durable, before_prepare)
 
 
 def release_claim(ctx: SaveContext) -> None:

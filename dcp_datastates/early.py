@@ -54,6 +54,7 @@ from .engine import Engine
 from .errors import CheckpointSaveError
 from .gcpause import gc_paused
 from .layout import FileLayout, TemplateCache, data_file_name
+from .room import reserve
 
 logger = logging.getLogger("dcp_datastates.writer")
 
@@ -205,9 +206,23 @@ def place_early(
     caps.sort(key=lambda c: (0 if c.at_call else 1, c.entry))
     layout, ids, placed = early.layout, early.file_ids, early.placed
     with gc_paused():  # per-item bookkeeping only, no waits (see dcp_datastates.gcpause)
+        planned = []
         for cap in caps:
             tmpl = templates.get(cap.dtype, cap.shape)
-            f, start, payload = layout.place_tensor(tmpl)
+            planned.append((cap, tmpl, *layout.place_tensor(tmpl)))
+    # Room for every file before any byte is placed: the old checkpoint is still there, and
+    # nothing may remove it for a save that will not fit (dcp_datastates.room).
+    no_room = reserve(
+        [(d.join(data_file_name(rank, f)), fd, layout.sizes[f]) for f, fd in early.fds.items()],
+        where,
+    )
+    if no_room is not None:
+        early.close()  # the engine's unnamed files are empty: they vanish with the job
+        job.no_room = no_room
+        logger.info("no early flush for %s: %s", d.path, str(no_room.error))
+        return None
+    with gc_paused():
+        for cap, tmpl, f, start, payload in planned:
             engine.place(job.engine_job, cap.entry, ids[f], payload, tmpl.prefix, tmpl.suffix)
             placed[cap.entry] = (f, start, payload)
     return early

@@ -18,6 +18,7 @@ the writer then fails the job, which aborts its engine job and returns its cache
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import os
@@ -31,10 +32,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import _core
+from . import _core, room
 from .barrier import default_world_size
 from .capture import CapturedTensor, SaveJob, Stager, wait_written
-from .commit import manifest_name
+from .commit import is_owned_name, manifest_name
 from .config import WriterConfig
 from .contexts import SaveContext
 from .early import EarlyPlacement, place_early
@@ -120,6 +121,7 @@ class Placer:
             not self.config.early_flush
             or job.adhoc
             or job.error is not None
+            or job.no_room is not None  # tried already: no room beside the old checkpoint
             or self.config.format != "torch"
             or self._incremental is not None
         )
@@ -143,6 +145,59 @@ class Placer:
                 # is the cause; what placing hit afterwards is only a consequence.
                 raise reraisable(job.error) from None
             raise
+
+    def check_replace(self, ctx: SaveContext, job: SaveJob | None) -> None:
+        """Runs before anything of the checkpoint at the save's path is removed (on every rank
+        before the plans are gathered, and by the coordinator under the claim): raises if the
+        save has failed already (its early flush hit ``ENOSPC``, ``EIO``...) or cannot fit even
+        once the old checkpoint's files are gone (:func:`dcp_datastates.room.check_replace`), so
+        that the old checkpoint is left as it was. Removes nothing."""
+        if job is None:
+            return
+        if isinstance(job.error, CheckpointSaveError):
+            raise reraisable(job.error)
+        if not job.finished:  # its engine job is still there (its early flush may have failed)
+            try:
+                st = self._engine.stats(job.engine_job)
+            except RuntimeError:  # forgotten meanwhile: the job's end reports its outcome
+                st = {}
+            if st.get("failed"):
+                raise CheckpointSaveError(
+                    f"save to {ctx.path} failed on rank {ctx.rank} before it replaced anything: "
+                    f"{st.get('error')}"
+                )
+        d = ctx.directory()
+        if not d.local:
+            return
+        if job.no_room is not None:
+            room.check_replace(d.path, job.no_room, is_owned_name)
+        elif (
+            job.early is None
+            and not job.adhoc
+            and self._incremental is None  # (referenced bytes are not written again)
+            and default_world_size() == 1  # (with several ranks, DCP decides who writes what)
+        ):
+            self._check_room_late(d.path, job)
+
+    def _check_room_late(self, directory: str, job: SaveJob) -> None:
+        """:meth:`check_replace` for a staged job placed in ``write_data`` (after the removal),
+        from lower bounds of what its files need: every tensor's bytes, the largest tensor (or
+        an equal share of all, ``files_per_rank``) in one file."""
+        sizes = [t.nbytes for t in job.tensors]
+        if not sizes:
+            return
+        needed = sum(sizes)
+        biggest = max(max(sizes), needed // max(1, self.config.files_per_rank))
+        limit = room.file_size_limit()
+        free = room.free_bytes(directory)
+        if limit is not None and biggest > limit:
+            why = OSError(errno.EFBIG, f"a data file needs at least {biggest} bytes, over this "
+                          f"process's file size limit (RLIMIT_FSIZE) of {limit}", directory)
+        elif free is not None and free < needed:
+            why = OSError(errno.ENOSPC, f"{needed} bytes to write, {free} free", directory)
+        else:
+            return
+        room.check_replace(directory, room.NoRoom(why, needed), is_owned_name)
 
     def write(
         self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner

@@ -687,6 +687,15 @@ class DataStatesWriter(StorageWriter):
                     f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
                     f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
                 )
+        else:
+            # Nothing of the checkpoint being replaced is removed for a save that has failed or
+            # cannot fit (dcp_datastates.room): every rank checks before the claim.
+            ctx = self._context()
+            try:
+                self._placer.check_replace(ctx, ctx.job)
+            except BaseException:
+                ctx.end_gc_pause()
+                raise
         # DCP pickles it (collectives, .metadata): planner.py, wire.py
         return compact_plan(share_equal_values(plan))
 
@@ -906,7 +915,7 @@ class DataStatesWriter(StorageWriter):
             logger.error("%s is not copied to the persistent tier: %s", ctx.path, str(e))
 
     def _claim_and_prepare(self, ctx: SaveContext) -> None:
-        claim_path(ctx, self.config.durable)
+        claim_path(ctx, self.config.durable, lambda: self._placer.check_replace(ctx, ctx.job))
 
     def _release_claim(self, ctx: SaveContext) -> None:
         release_claim(ctx)
