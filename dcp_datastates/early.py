@@ -17,6 +17,13 @@ process that dies, leaves nothing behind: the kernel frees an unnamed file when 
 descriptor closes. If linking fails anyway, the files are copied into place after the flush
 (``copy_file_range``), so the save still completes, only slower.
 
+Room: the files are written beside the checkpoint they replace, so before any byte is placed they
+are allocated to their final size (:func:`dcp_datastates.room.reserve`: ``fallocate``, and the
+``RLIMIT_FSIZE`` check; skipped while free space is ample). Without room nothing is placed early:
+the job keeps the :class:`~dcp_datastates.room.NoRoom`, and ``write_data`` places everything after
+the old checkpoint is removed, which happens only if the new data then fits
+(``Placer.check_replace``); else the save fails naming the path and the old checkpoint stays.
+
 The placement is the one ``write_data`` would have computed from a plan of whole tensors, so
 ``write_data`` takes it over: each planned tensor item whose captured tensor was placed early
 keeps that place (its shape is checked as before); anything else (bytes items, tensors a custom
