@@ -687,10 +687,10 @@ class DataStatesWriter(StorageWriter):
                     f"checkpoint {ctx.path} already exists and this DataStatesWriter has "
                     f"overwrite=False (rank {ctx.rank}); save to another checkpoint_id"
                 )
-        else:
+        elif (holder := getattr(self._tls, "holder", None)) is not None and not holder.ctx.finished:
             # Nothing of the checkpoint being replaced is removed for a save that has failed or
             # cannot fit (dcp_datastates.room): every rank checks before the claim.
-            ctx = self._context()
+            ctx = holder.ctx
             try:
                 self._placer.check_replace(ctx, ctx.job)
             except BaseException:
