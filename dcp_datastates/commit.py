@@ -103,17 +103,46 @@ def claimed_paths() -> set[str]:
         return set(_active_paths)
 
 
-def release_path(key: str) -> None:
+def release_path(key: str, untouched: CheckpointDir | None = None) -> None:
     """Releases the claim on ``key``: the in-process mark and the cross-process lock (if any).
 
     Idempotent. The marker file stays unless the commit removed it: a save that failed leaves a
-    partial directory, which cleanup may remove once the lock is gone.
+    partial directory, which cleanup may remove once the lock is gone. ``untouched``: the
+    directory, when the save removed and wrote nothing there (its old checkpoint's removal was
+    deferred and never ran); its marker goes too if it still holds a complete checkpoint.
     """
     with _active_lock:
         _active_paths.discard(key)
         fd = _held_fds.pop(key, None)
     if fd is not None:
+        if untouched is not None and untouched.local:
+            try:
+                if os.path.isfile(untouched.join(METADATA_FILE)):
+                    os.unlink(untouched.join(INCOMPLETE_MARKER))  # still locked: ours
+            except OSError:
+                pass  # a stale marker beside .metadata is harmless (the directory is complete)
         unlock_marker(fd)
+
+
+def check_claim(key: str, d: CheckpointDir) -> None:
+    """Raises FileNotFoundError naming ``d``'s marker if the directory or the marker this
+    process's claim on ``key`` locks was removed (or replaced) since it was claimed: a save then
+    must not recreate the directory and commit into it. Local claims only."""
+    with _active_lock:
+        fd = _held_fds.get(key)
+    if fd is None or not d.local:
+        return
+    marker = d.join(INCOMPLETE_MARKER)
+    try:
+        st: os.stat_result | None = os.stat(marker, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    fst = os.fstat(fd)
+    if st is None or (st.st_dev, st.st_ino) != (fst.st_dev, fst.st_ino):
+        raise FileNotFoundError(
+            errno.ENOENT, "the checkpoint directory or its lock marker was removed during the save",
+            marker,
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -260,7 +289,10 @@ def fsync_dir(path: str) -> None:
 
 
 def claim_and_prepare(
-    d: CheckpointDir, durable: bool, before_prepare: Callable[[], None] | None = None
+    d: CheckpointDir,
+    durable: bool,
+    before_prepare: Callable[[], None] | None = None,
+    remove_old: bool = True,
 ) -> str:
     """Step 1 (coordinator): claims ``d`` for one save and prepares it; returns the claim key.
 
@@ -268,7 +300,8 @@ def claim_and_prepare(
     paths) in any process on this host or sharing this file system's locks. Pass the key to
     :func:`release_path` when the save ends, committed or not. ``before_prepare`` runs under the
     claim, right before the overwritten checkpoint's files are removed: if it raises, nothing is
-    removed and the claim is released.
+    removed and the claim is released. Without ``remove_old`` the caller removes them later
+    (:meth:`CheckpointDir.prepare`, under this claim, before it names any file of its own).
     """
     key = d.claim_key
     claim_path(key)
@@ -295,7 +328,8 @@ def claim_and_prepare(
             refuse_if_referenced(d.path)  # incremental saves: others may need its data files
         if before_prepare is not None:
             before_prepare()
-        d.prepare(durable)
+        if remove_old:
+            d.prepare(durable)
     except BaseException:
         release_path(key)
         raise

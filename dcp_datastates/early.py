@@ -84,7 +84,8 @@ class EarlyPlacement:
     file_ids: dict[int, int] = field(default_factory=dict)  # layout file -> engine file id
     fds: dict[int, int] = field(default_factory=dict)  # layout file -> descriptor we own
     placed: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # entry -> place
-    linked: set[int] = field(default_factory=set)  # files named by link()
+    linked: set[int] = field(default_factory=set)  # files named by link() or link_named()
+    anon_dir: str = ""  # where the unnamed files are (write_data makes its new ones there too)
 
     def __post_init__(self) -> None:
         self._open: list[int] = []  # the descriptors still open, shared with the finalizer
@@ -117,6 +118,28 @@ class EarlyPlacement:
         self.close()
         return True
 
+    def link_named(self, d: CheckpointDir) -> bool:
+        """Gives every file its DCP name in ``d`` through this placement's own descriptors (the
+        engine has closed its own once the data is durable): the single-rank save, which removes
+        the checkpoint it replaces only then. Under the path claim, after that removal. False if
+        a file cannot be linked: then :meth:`copy_into` copies the files not linked."""
+        with self._lock:
+            for f, fd in sorted(self.fds.items()):
+                target = d.join(data_file_name(self.rank, f))
+                try:
+                    try:
+                        _link_fd(fd, target)
+                    except FileExistsError:  # not the old checkpoint's (removed): a stray file
+                        os.unlink(target)
+                        _link_fd(fd, target)
+                except OSError as e:
+                    logger.warning("cannot link the data file %s (%s); the data file is copied "
+                                   "into place", target, e.strerror or str(e))
+                    return False
+                self.linked.add(f)
+        self.close()
+        return True
+
     def copy_into(self, d: CheckpointDir, durable: bool) -> None:
         """Copies every (durable) file not linked by :meth:`link` to its DCP name in ``d``: the
         fallback of :meth:`link`. Raises naming the file."""
@@ -139,6 +162,19 @@ class EarlyPlacement:
         with self._lock:
             _close_all(self._open)
             self.fds.clear()
+
+
+def _link_fd(fd: int, target: str) -> None:
+    """Names the open (unnamed) file ``fd`` ``target``: ``linkat(AT_SYMLINK_FOLLOW)`` through
+    ``/proc/self/fd`` (``os.link`` calls ``linkat``, which follows that link, only when given a
+    directory descriptor; plain ``link`` fails with ``EXDEV``). A link at ``target`` is never
+    followed (``EEXIST``)."""
+    dfd = os.open(os.path.dirname(target) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(target), dst_dir_fd=dfd,
+                follow_symlinks=True)
+    finally:
+        os.close(dfd)
 
 
 def _copy_fd(fd: int, target: str, durable: bool) -> None:
@@ -194,6 +230,7 @@ def place_early(
     early = EarlyPlacement(
         directory=os.path.realpath(d.path),
         rank=rank,
+        anon_dir=where,
         layout=FileLayout(config.files_per_rank,
                           _core.DIRECT_ALIGN if config.o_direct else 64,
                           direct_min=_core.DIRECT_MIN_BYTES),

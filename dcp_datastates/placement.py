@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import _core, room
 from .barrier import default_world_size
 from .capture import CapturedTensor, SaveJob, Stager, wait_written
-from .commit import is_owned_name, manifest_name
+from .commit import check_claim, is_owned_name, manifest_name
 from .config import WriterConfig
 from .contexts import SaveContext
 from .early import EarlyPlacement, place_early
@@ -146,6 +146,18 @@ class Placer:
                 raise reraisable(job.error) from None
             raise
 
+    def defers_removal(self, ctx: SaveContext, job: SaveJob | None) -> bool:
+        """Whether the save keeps the checkpoint it replaces until its own data is durable (one
+        rank, its tensors placed early in unnamed files for this directory): then any failure
+        before that, a crash included, leaves the old checkpoint whole. With several ranks the
+        coordinator removes it at the claim, before the others name their files."""
+        return (
+            job is not None
+            and job.early is not None
+            and default_world_size() == 1
+            and job.early.matches(ctx.directory())
+        )
+
     def check_replace(self, ctx: SaveContext, job: SaveJob | None) -> None:
         """Runs before anything of the checkpoint at the save's path is removed (on every rank
         before the plans are gathered, and by the coordinator under the claim): raises if the
@@ -253,14 +265,18 @@ class Placer:
         eng = self._engine
         early: EarlyPlacement | None = job.early
         copy_early = False  # the early files could not be linked: copied after the flush
+        # One rank, placed early: the checkpoint being replaced stays until this save's data is
+        # durable; every file of this save is unnamed until then (complete() names them).
+        deferred = early is not None and ctx.removal_deferred
         if early is not None:
             if early.rank != ctx.rank:  # set_up_storage_writer placed them for this context
                 raise CheckpointSaveError(
                     f"save to {ctx.path}: its data was placed early for rank {early.rank}, "
                     f"not {ctx.rank}"
                 )
-            # Under the claim, the overwritten checkpoint's files are gone: name ours.
-            copy_early = not early.matches(d) or not early.link(eng, job)
+            if not deferred:
+                # Under the claim, the overwritten checkpoint's files are gone: name ours.
+                copy_early = not early.matches(d) or not early.link(eng, job)
             layout = early.layout
             file_ids: dict[int, int] = dict(early.file_ids)
             early_at = early.placed
@@ -281,7 +297,13 @@ class Placer:
 
         def fid(f: int) -> int:
             if f not in file_ids:
-                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(ctx.rank, f)))
+                name = d.join(data_file_name(ctx.rank, f))
+                if deferred:  # unnamed too, beside the early ones (named in complete())
+                    assert early is not None
+                    file_ids[f] = eng.open_file(job.engine_job, name, early.anon_dir)
+                    early.adopt_fd(f, eng.dup_fd(job.engine_job, file_ids[f]))
+                else:
+                    file_ids[f] = eng.open_file(job.engine_job, name)
             return file_ids[f]
 
         # Tensor items in the order their bytes land: those copied at the save call first (they
@@ -373,7 +395,7 @@ class Placer:
         if added_late:
             eng.start_copies(job.engine_job)
         ext_records: list[tuple[int, int, int, int, int, int]] = []
-        unlinked_fds = early.fds if copy_early and early is not None else {}
+        unlinked_fds = early.fds if (copy_early or deferred) and early is not None else {}
         for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
             # Not linked (copied later): write into the unnamed file, through its descriptor.
             unnamed = unlinked_fds.get(f)
@@ -400,7 +422,16 @@ class Placer:
 
         def complete() -> None:
             wait_written(eng, job, f"{ctx.path} (rank {ctx.rank})")
-            if copy_early:
+            copy_now = copy_early
+            if deferred:
+                # This save's data is durable: only now does the checkpoint it replaces go
+                # (.metadata first), and its files get their names.
+                assert early is not None and ctx.path_key is not None
+                check_claim(ctx.path_key, d)  # removed meanwhile: not recreated here
+                d.prepare(self.config.durable)
+                ctx.removal_deferred = False
+                copy_now = not early.link_named(d)
+            if copy_now:
                 assert early is not None
                 early.copy_into(d, self.config.durable)
             if infos:

@@ -915,7 +915,12 @@ class DataStatesWriter(StorageWriter):
             logger.error("%s is not copied to the persistent tier: %s", ctx.path, str(e))
 
     def _claim_and_prepare(self, ctx: SaveContext) -> None:
-        claim_path(ctx, self.config.durable, lambda: self._placer.check_replace(ctx, ctx.job))
+        claim_path(
+            ctx,
+            self.config.durable,
+            lambda: self._placer.check_replace(ctx, ctx.job),
+            defer_removal=self._placer.defers_removal(ctx, ctx.job),
+        )
 
     def _release_claim(self, ctx: SaveContext) -> None:
         release_claim(ctx)

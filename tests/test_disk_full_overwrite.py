@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HANG_S, assert_state_equal, zeros_like_state
+from conftest import HANG_S, assert_state_equal, captured_logs, zeros_like_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -256,3 +256,41 @@ def test_an_early_flush_failing_before_the_claim_removes_nothing(
     out = zeros_like_state(state(3))
     dcp.load(out, checkpoint_id=path)
     assert_state_equal(out, state(3))
+
+
+class FailAfterTheClaim(DefaultSavePlanner):
+    """Fails the save's job (as a flush error would) once the path is claimed: DCP calls
+    ``finish_plan`` after the coordinator's ``prepare_global_plan``."""
+
+    def __init__(self, w: DataStatesWriter) -> None:
+        super().__init__()
+        self.w = w
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        from dcp_datastates.errors import CheckpointSaveError
+
+        job = max((j for j in self.w._table._jobs if not j.finished), key=lambda j: j.seq)
+        self.w._table.fail_job(job, CheckpointSaveError("injected failure after the claim"))
+        return super().finish_plan(new_plan)
+
+
+def test_one_rank_keeps_the_old_checkpoint_until_its_data_is_durable(
+    tmp_path: Any, writer_factory: Any
+) -> None:
+    # With its tensors placed early, a single-rank save removes the checkpoint it replaces only
+    # once its own data is durable: a failure after the claim leaves the old one whole, marker
+    # included (none).
+    path = str(tmp_path / "ckpt")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
+    dcp.save(state(1), storage_writer=w, checkpoint_id=path)
+    before = digest(path)
+    with pytest.raises(BaseException, match="injected failure after the claim"):
+        dcp.async_save(state(2), storage_writer=w, checkpoint_id=path,
+                       planner=FailAfterTheClaim(w)).result(timeout=HANG_S)
+    assert_intact(path, before, state(1))
+    with captured_logs("dcp_datastates.writer") as records:
+        dcp.async_save(state(3), storage_writer=w, checkpoint_id=path).result(timeout=HANG_S)
+    assert not any("copied into place" in r.getMessage() for r in records)  # linked
+    assert w.save_stats()[-1]["early_tensors"] == 2
+    assert_intact(path, digest(path), state(3))
+    assert ".datastates.incomplete" not in os.listdir(path)
