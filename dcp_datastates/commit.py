@@ -7,7 +7,8 @@ Order of one save (docs/architecture.md, "Commit" and "Failure model"):
    paths, an exclusive ``flock`` on the marker ``.datastates.incomplete`` (a save from another
    process fails the same way). It then removes a stale ``.metadata`` (durably, so an overwrite
    that crashes midway never looks complete) and the data files and manifests of the checkpoint
-   being overwritten, all before any rank writes;
+   being overwritten, all before any rank writes (a single-rank save placed early defers this
+   removal until its own data is durable: dcp_datastates.early);
 2. every rank writes and fdatasyncs its data files, then its manifest (checksums);
 3. the coordinator writes ``.metadata`` to a temporary file, fsyncs it, renames it into place and
    fsyncs the directory: the commit point. Then it removes the marker and releases the claim.

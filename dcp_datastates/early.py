@@ -10,12 +10,14 @@ every tensor the save staged is placed in this rank's data files in copy order,
 and the flush threads write each chunk as soon as it lands, while DCP plans.
 
 The data files are *unnamed* (``O_TMPFILE``, created in the checkpoint directory or its nearest
-existing parent, on the same file system) until ``write_data``, which runs under the path claim
-after the overwritten checkpoint's files are gone: only then are they linked under their DCP
-names (``linkat`` through ``/proc/self/fd``). A save that fails or is refused before that, or a
-process that dies, leaves nothing behind: the kernel frees an unnamed file when its last
-descriptor closes. If linking fails anyway, the files are copied into place after the flush
-(``copy_file_range``), so the save still completes, only slower.
+existing parent, on the same file system) until they are linked under their DCP names
+(``linkat`` through ``/proc/self/fd``), under the path claim, after the overwritten checkpoint's
+files are gone: with one rank only once the save's data is durable (the claim defers the
+removal; ``write_data`` makes its own files unnamed too, and ``PendingWrite.complete`` removes the
+old checkpoint and names them), with several ranks in ``write_data``. A save that fails or is
+refused before that, or a process that dies, leaves nothing behind: the kernel frees an unnamed
+file when its last descriptor closes. If linking fails anyway, the files are copied into place
+after the flush (``copy_file_range``), so the save still completes, only slower.
 
 Room: the files are written beside the checkpoint they replace, so before any byte is placed they
 are allocated to their final size (:func:`dcp_datastates.room.reserve`: ``fallocate``, and the
