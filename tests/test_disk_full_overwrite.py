@@ -294,3 +294,40 @@ def test_one_rank_keeps_the_old_checkpoint_until_its_data_is_durable(
     assert w.save_stats()[-1]["early_tensors"] == 2
     assert_intact(path, digest(path), state(3))
     assert ".datastates.incomplete" not in os.listdir(path)
+
+
+class DieAfterTheClaim(DefaultSavePlanner):
+    """Kills the process once the path is claimed (``finish_plan`` follows the claim)."""
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        print("claimed", flush=True)
+        os._exit(9)
+
+
+def test_one_rank_killed_after_the_claim_leaves_the_old_checkpoint(tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    child = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import torch.distributed.checkpoint as dcp
+        import test_disk_full_overwrite as t
+        from dcp_datastates import DataStatesWriter
+        w = DataStatesWriter({path!r}, host_cache_size="64MiB", chunk_size="1MiB",
+                             prefault=False, early_flush=True)
+        dcp.save(t.state(1), storage_writer=w, checkpoint_id={path!r})
+        print("saved", flush=True)
+        dcp.async_save(t.state(2), storage_writer=w, checkpoint_id={path!r},
+                       planner=t.DieAfterTheClaim()).result(timeout=60)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 9 and "claimed" in r.stdout, (r.stdout, r.stderr[-3000:])
+    # The old checkpoint, whole; the dead save's marker beside it (its lock died with it).
+    assert ".metadata" in os.listdir(path)
+    out = zeros_like_state(state(1))
+    dcp.load(out, checkpoint_id=path)
+    assert_state_equal(out, state(1))
+    rep = verify_checkpoint(path)
+    assert rep.ok, rep.summary()
