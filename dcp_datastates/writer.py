@@ -12,8 +12,10 @@ call                        thread / ranks  what happens here
 ``set_up_storage_writer``   save thread     rank and role recorded; waits for earlier saves;
                                             one rank, local path: the staged tensors are
                                             placed in unnamed files and flush from here on
-``prepare_local_plan``      all             unchanged
-``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed;
+``prepare_local_plan``      all             refuses a save that failed or cannot fit
+                                            (nothing of the old checkpoint removed yet)
+``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed (one
+                                            rank placed early: once its data is durable);
                                             in-progress marker written
 ``write_data(plan, pl.)``   all             the job is found (by staged-object identity) or
                                             created (dcp.save); items placed in files; the
