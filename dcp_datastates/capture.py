@@ -126,6 +126,7 @@ class SaveJob:
     finished: bool = False  # written or failed; its engine job is forgotten
     protocol_done: bool = False  # the save thread's DCP protocol ended (after the commit)
     early: Any = None  # its EarlyPlacement (dcp_datastates.early), placed before DCP planned
+    no_room: Any = None  # room.NoRoom: early placement found no room beside the old checkpoint
     # The coordinator's async_save: write_data returned its results before the data was durable;
     # finish() completes this placement.PendingWrite before the commit. None otherwise.
     pending_write: Any = None

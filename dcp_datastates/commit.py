@@ -7,7 +7,8 @@ Order of one save (docs/architecture.md, "Commit" and "Failure model"):
    paths, an exclusive ``flock`` on the marker ``.datastates.incomplete`` (a save from another
    process fails the same way). It then removes a stale ``.metadata`` (durably, so an overwrite
    that crashes midway never looks complete) and the data files and manifests of the checkpoint
-   being overwritten, all before any rank writes;
+   being overwritten, all before any rank writes (a single-rank save placed early defers this
+   removal until its own data is durable: dcp_datastates.early);
 2. every rank writes and fdatasyncs its data files, then its manifest (checksums);
 3. the coordinator writes ``.metadata`` to a temporary file, fsyncs it, renames it into place and
    fsyncs the directory: the commit point. Then it removes the marker and releases the claim.
@@ -42,7 +43,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import CheckpointBusyError
@@ -103,17 +104,46 @@ def claimed_paths() -> set[str]:
         return set(_active_paths)
 
 
-def release_path(key: str) -> None:
+def release_path(key: str, untouched: CheckpointDir | None = None) -> None:
     """Releases the claim on ``key``: the in-process mark and the cross-process lock (if any).
 
     Idempotent. The marker file stays unless the commit removed it: a save that failed leaves a
-    partial directory, which cleanup may remove once the lock is gone.
+    partial directory, which cleanup may remove once the lock is gone. ``untouched``: the
+    directory, when the save removed and wrote nothing there (its old checkpoint's removal was
+    deferred and never ran); its marker goes too if it still holds a complete checkpoint.
     """
     with _active_lock:
         _active_paths.discard(key)
         fd = _held_fds.pop(key, None)
     if fd is not None:
+        if untouched is not None and untouched.local:
+            try:
+                if os.path.isfile(untouched.join(METADATA_FILE)):
+                    os.unlink(untouched.join(INCOMPLETE_MARKER))  # still locked: ours
+            except OSError:
+                pass  # a stale marker beside .metadata is harmless (the directory is complete)
         unlock_marker(fd)
+
+
+def check_claim(key: str, d: CheckpointDir) -> None:
+    """Raises FileNotFoundError naming ``d``'s marker if the directory or the marker this
+    process's claim on ``key`` locks was removed (or replaced) since it was claimed: a save then
+    must not recreate the directory and commit into it. Local claims only."""
+    with _active_lock:
+        fd = _held_fds.get(key)
+    if fd is None or not d.local:
+        return
+    marker = d.join(INCOMPLETE_MARKER)
+    try:
+        st: os.stat_result | None = os.stat(marker, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    fst = os.fstat(fd)
+    if st is None or (st.st_dev, st.st_ino) != (fst.st_dev, fst.st_ino):
+        raise FileNotFoundError(
+            errno.ENOENT, "the checkpoint directory or its lock marker was removed during the save",
+            marker,
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,12 +195,27 @@ def lock_marker(dir_path: str, *, create: bool, purpose: str) -> int | None:
     a live process holds the lock. With ``create`` the marker is created if missing, and a symlink
     planted under its name is removed (never followed). Raises FileNotFoundError if the directory
     (or, without ``create``, the marker) does not exist or vanishes meanwhile.
+
+    Failure semantics: if the owner record cannot be written into the locked marker (``ENOSPC``,
+    ``EIO``...), the lock is released and the descriptor closed before the error is raised (an
+    OSError naming the marker's path), and a marker this call created is removed again: nothing
+    stays locked, so a later save or cleanup of the directory proceeds.
     """
     marker = os.path.join(dir_path, INCOMPLETE_MARKER)
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(_LOCK_ATTEMPTS):
+        created = False
         try:
-            fd = os.open(marker, flags, 0o644)
+            try:
+                fd = os.open(marker, flags)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    fd = os.open(marker, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    continue  # made by someone else meanwhile (or a symlink): open it again
+                created = True
         except OSError as e:
             if e.errno == errno.ELOOP and create:
                 os.unlink(marker)  # a symlink under our name: remove the link, not its target
@@ -191,13 +236,38 @@ def lock_marker(dir_path: str, *, create: bool, purpose: str) -> int | None:
             st = None
         fst = os.fstat(fd)
         if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, owner_record(purpose), 0)
+            _write_owner_record(fd, marker, purpose, created)
             return fd
         os.close(fd)
         if not create:
             raise FileNotFoundError(errno.ENOENT, "marker removed while locking it", marker)
     raise OSError(errno.EAGAIN, "the marker kept changing while locking it", marker)
+
+
+def _write_owner_record(fd: int, marker: str, purpose: str, created: bool) -> None:
+    """Writes the owner record into the marker ``fd`` locks; on failure removes the marker if
+    ``created`` (this process made it, under the lock: nobody else has used it), releases the
+    lock, closes ``fd`` and raises OSError naming ``marker``."""
+    record = owner_record(purpose)
+    try:
+        os.ftruncate(fd, 0)
+        done = 0
+        while done < len(record):
+            n = os.pwrite(fd, record[done:], done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+    except OSError as e:
+        if created:
+            try:
+                os.unlink(marker)  # still ours: we hold its lock and checked its inode
+            except OSError:
+                pass
+        unlock_marker(fd)
+        code = e.errno if e.errno is not None else errno.EIO
+        raise OSError(
+            code, f"cannot write the lock marker ({e.strerror or e}); nothing was locked", marker
+        ) from e
 
 
 def unlock_marker(fd: int) -> None:
@@ -219,12 +289,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def claim_and_prepare(d: CheckpointDir, durable: bool) -> str:
+def claim_and_prepare(
+    d: CheckpointDir,
+    durable: bool,
+    before_prepare: Callable[[], None] | None = None,
+    remove_old: bool = True,
+) -> str:
     """Step 1 (coordinator): claims ``d`` for one save and prepares it; returns the claim key.
 
     Raises CheckpointBusyError if another save to ``d`` is in flight in this process or (local
     paths) in any process on this host or sharing this file system's locks. Pass the key to
-    :func:`release_path` when the save ends, committed or not.
+    :func:`release_path` when the save ends, committed or not. ``before_prepare`` runs under the
+    claim, right before the overwritten checkpoint's files are removed: if it raises, nothing is
+    removed and the claim is released. Without ``remove_old`` the caller removes them later
+    (:meth:`CheckpointDir.prepare`, under this claim, before it names any file of its own).
     """
     key = d.claim_key
     claim_path(key)
@@ -249,7 +327,10 @@ def claim_and_prepare(d: CheckpointDir, durable: bool) -> str:
             with _active_lock:
                 _held_fds[key] = fd
             refuse_if_referenced(d.path)  # incremental saves: others may need its data files
-        d.prepare(durable)
+        if before_prepare is not None:
+            before_prepare()
+        if remove_old:
+            d.prepare(durable)
     except BaseException:
         release_path(key)
         raise

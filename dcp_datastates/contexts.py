@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,9 @@ class SaveContext:
     save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     job: SaveJob | None = None  # the staged job this save thread carries (None: dcp.save)
     path_key: str | None = None  # set while this context holds the path claim
+    # The claim left the overwritten checkpoint in place: the save removes it once its own data
+    # is durable (placement, early placement with one rank); True until it has.
+    removal_deferred: bool = False
     meta_taken: bool = False  # storage_meta() ran: the next storage_meta() begins a new save
     finished: bool = False  # finish() ran (coordinator) or the context ended
     ended: bool = False
@@ -103,24 +107,36 @@ def end_context_cb(
     if w is not None:
         w._end_context(ctx)
     elif ctx.path_key is not None:
-        release_path(ctx.path_key)
+        release_path(ctx.path_key, ctx.directory() if ctx.removal_deferred else None)
         ctx.path_key = None
 
 
-def claim_path(ctx: SaveContext, durable: bool) -> None:
+def claim_path(
+    ctx: SaveContext,
+    durable: bool,
+    before_prepare: Callable[[], None] | None = None,
+    defer_removal: bool = False,
+) -> None:
     """Claims the context's path for its save and clears what an overwritten checkpoint left.
 
-    In-process and cross-process (marker flock) claim, then the overwritten checkpoint's files
-    go; on failure the claim is released inside (commit.claim_and_prepare) and the error raised.
+    In-process and cross-process (marker flock) claim, then ``before_prepare`` (which may refuse
+    the save: nothing is removed then), then the overwritten checkpoint's files go, unless
+    ``defer_removal`` (the save removes them itself, once its data is durable: see
+    ``SaveContext.removal_deferred``); on failure the claim is released inside
+    (commit.claim_and_prepare) and the error raised.
     """
-    ctx.path_key = claim_and_prepare(ctx.directory(), durable)
+    ctx.path_key = claim_and_prepare(
+        ctx.directory(), durable, before_prepare, remove_old=not defer_removal
+    )
+    ctx.removal_deferred = defer_removal
 
 
 def release_claim(ctx: SaveContext) -> None:
     """Releases the context's path claim, if it holds one (idempotent)."""
     if ctx.path_key is not None:
-        release_path(ctx.path_key)
+        release_path(ctx.path_key, ctx.directory() if ctx.removal_deferred else None)
         ctx.path_key = None
+        ctx.removal_deferred = False
 
 
 __all__ = ["ContextHolder", "SaveContext", "claim_path", "end_context_cb", "release_claim"]

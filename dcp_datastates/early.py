@@ -10,12 +10,21 @@ every tensor the save staged is placed in this rank's data files in copy order,
 and the flush threads write each chunk as soon as it lands, while DCP plans.
 
 The data files are *unnamed* (``O_TMPFILE``, created in the checkpoint directory or its nearest
-existing parent, on the same file system) until ``write_data``, which runs under the path claim
-after the overwritten checkpoint's files are gone: only then are they linked under their DCP
-names (``linkat`` through ``/proc/self/fd``). A save that fails or is refused before that, or a
-process that dies, leaves nothing behind: the kernel frees an unnamed file when its last
-descriptor closes. If linking fails anyway, the files are copied into place after the flush
-(``copy_file_range``), so the save still completes, only slower.
+existing parent, on the same file system) until they are linked under their DCP names
+(``linkat`` through ``/proc/self/fd``), under the path claim, after the overwritten checkpoint's
+files are gone: with one rank only once the save's data is durable (the claim defers the
+removal; ``write_data`` makes its own files unnamed too, and ``PendingWrite.complete`` removes the
+old checkpoint and names them), with several ranks in ``write_data``. A save that fails or is
+refused before that, or a process that dies, leaves nothing behind: the kernel frees an unnamed
+file when its last descriptor closes. If linking fails anyway, the files are copied into place
+after the flush (``copy_file_range``), so the save still completes, only slower.
+
+Room: the files are written beside the checkpoint they replace, so before any byte is placed they
+are allocated to their final size (:func:`dcp_datastates.room.reserve`: ``fallocate``, and the
+``RLIMIT_FSIZE`` check; skipped while free space is ample). Without room nothing is placed early:
+the job keeps the :class:`~dcp_datastates.room.NoRoom`, and ``write_data`` places everything after
+the old checkpoint is removed, which happens only if the new data then fits
+(``Placer.check_replace``); else the save fails naming the path and the old checkpoint stays.
 
 The placement is the one ``write_data`` would have computed from a plan of whole tensors, so
 ``write_data`` takes it over: each planned tensor item whose captured tensor was placed early
@@ -54,6 +63,7 @@ from .engine import Engine
 from .errors import CheckpointSaveError
 from .gcpause import gc_paused
 from .layout import FileLayout, TemplateCache, data_file_name
+from .room import reserve
 
 logger = logging.getLogger("dcp_datastates.writer")
 
@@ -76,7 +86,8 @@ class EarlyPlacement:
     file_ids: dict[int, int] = field(default_factory=dict)  # layout file -> engine file id
     fds: dict[int, int] = field(default_factory=dict)  # layout file -> descriptor we own
     placed: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # entry -> place
-    linked: set[int] = field(default_factory=set)  # files named by link()
+    linked: set[int] = field(default_factory=set)  # files named by link() or link_named()
+    anon_dir: str = ""  # where the unnamed files are (write_data makes its new ones there too)
 
     def __post_init__(self) -> None:
         self._open: list[int] = []  # the descriptors still open, shared with the finalizer
@@ -109,6 +120,28 @@ class EarlyPlacement:
         self.close()
         return True
 
+    def link_named(self, d: CheckpointDir) -> bool:
+        """Gives every file its DCP name in ``d`` through this placement's own descriptors (the
+        engine has closed its own once the data is durable): the single-rank save, which removes
+        the checkpoint it replaces only then. Under the path claim, after that removal. False if
+        a file cannot be linked: then :meth:`copy_into` copies the files not linked."""
+        with self._lock:
+            for f, fd in sorted(self.fds.items()):
+                target = d.join(data_file_name(self.rank, f))
+                try:
+                    try:
+                        _link_fd(fd, target)
+                    except FileExistsError:  # not the old checkpoint's (removed): a stray file
+                        os.unlink(target)
+                        _link_fd(fd, target)
+                except OSError as e:
+                    logger.warning("cannot link the data file %s (%s); the data file is copied "
+                                   "into place", target, e.strerror or str(e))
+                    return False
+                self.linked.add(f)
+        self.close()
+        return True
+
     def copy_into(self, d: CheckpointDir, durable: bool) -> None:
         """Copies every (durable) file not linked by :meth:`link` to its DCP name in ``d``: the
         fallback of :meth:`link`. Raises naming the file."""
@@ -131,6 +164,19 @@ class EarlyPlacement:
         with self._lock:
             _close_all(self._open)
             self.fds.clear()
+
+
+def _link_fd(fd: int, target: str) -> None:
+    """Names the open (unnamed) file ``fd`` ``target``: ``linkat(AT_SYMLINK_FOLLOW)`` through
+    ``/proc/self/fd`` (``os.link`` calls ``linkat``, which follows that link, only when given a
+    directory descriptor; plain ``link`` fails with ``EXDEV``). A link at ``target`` is never
+    followed (``EEXIST``)."""
+    dfd = os.open(os.path.dirname(target) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(target), dst_dir_fd=dfd,
+                follow_symlinks=True)
+    finally:
+        os.close(dfd)
 
 
 def _copy_fd(fd: int, target: str, durable: bool) -> None:
@@ -186,6 +232,7 @@ def place_early(
     early = EarlyPlacement(
         directory=os.path.realpath(d.path),
         rank=rank,
+        anon_dir=where,
         layout=FileLayout(config.files_per_rank,
                           _core.DIRECT_ALIGN if config.o_direct else 64,
                           direct_min=_core.DIRECT_MIN_BYTES),
@@ -205,9 +252,23 @@ def place_early(
     caps.sort(key=lambda c: (0 if c.at_call else 1, c.entry))
     layout, ids, placed = early.layout, early.file_ids, early.placed
     with gc_paused():  # per-item bookkeeping only, no waits (see dcp_datastates.gcpause)
+        planned = []
         for cap in caps:
             tmpl = templates.get(cap.dtype, cap.shape)
-            f, start, payload = layout.place_tensor(tmpl)
+            planned.append((cap, tmpl, *layout.place_tensor(tmpl)))
+    # Room for every file before any byte is placed: the old checkpoint is still there, and
+    # nothing may remove it for a save that will not fit (dcp_datastates.room).
+    no_room = reserve(
+        [(d.join(data_file_name(rank, f)), fd, layout.sizes[f]) for f, fd in early.fds.items()],
+        where,
+    )
+    if no_room is not None:
+        early.close()  # the engine's unnamed files are empty: they vanish with the job
+        job.no_room = no_room
+        logger.info("no early flush for %s: %s", d.path, str(no_room.error))
+        return None
+    with gc_paused():
+        for cap, tmpl, f, start, payload in planned:
             engine.place(job.engine_job, cap.entry, ids[f], payload, tmpl.prefix, tmpl.suffix)
             placed[cap.entry] = (f, start, payload)
     return early

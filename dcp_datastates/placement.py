@@ -18,6 +18,7 @@ the writer then fails the job, which aborts its engine job and returns its cache
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import os
@@ -32,10 +33,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import _core
+from . import _core, room
 from .barrier import default_world_size
 from .capture import CapturedTensor, SaveJob, Stager, wait_written
-from .commit import manifest_name
+from .commit import check_claim, is_owned_name, manifest_name
 from .config import WriterConfig
 from .contexts import SaveContext
 from .early import EarlyPlacement, place_early
@@ -131,6 +132,7 @@ class Placer:
             not self.config.early_flush
             or job.adhoc
             or job.error is not None
+            or job.no_room is not None  # tried already: no room beside the old checkpoint
             or self.config.format != "torch"
             or self._incremental is not None
             or bool(self._extensions)
@@ -155,6 +157,71 @@ class Placer:
                 # is the cause; what placing hit afterwards is only a consequence.
                 raise reraisable(job.error) from None
             raise
+
+    def defers_removal(self, ctx: SaveContext, job: SaveJob | None) -> bool:
+        """Whether the save keeps the checkpoint it replaces until its own data is durable (one
+        rank, its tensors placed early in unnamed files for this directory): then any failure
+        before that, a crash included, leaves the old checkpoint whole. With several ranks the
+        coordinator removes it at the claim, before the others name their files."""
+        return (
+            job is not None
+            and job.early is not None
+            and default_world_size() == 1
+            and job.early.matches(ctx.directory())
+        )
+
+    def check_replace(self, ctx: SaveContext, job: SaveJob | None) -> None:
+        """Runs before anything of the checkpoint at the save's path is removed (on every rank
+        before the plans are gathered, and by the coordinator under the claim): raises if the
+        save has failed already (its early flush hit ``ENOSPC``, ``EIO``...) or cannot fit even
+        once the old checkpoint's files are gone (:func:`dcp_datastates.room.check_replace`), so
+        that the old checkpoint is left as it was. Removes nothing."""
+        if job is None:
+            return
+        if isinstance(job.error, CheckpointSaveError):
+            raise reraisable(job.error)
+        if not job.finished:  # its engine job is still there (its early flush may have failed)
+            try:
+                st = self._engine.stats(job.engine_job)
+            except RuntimeError:  # forgotten meanwhile: the job's end reports its outcome
+                st = {}
+            if st.get("failed"):
+                raise CheckpointSaveError(
+                    f"save to {ctx.path} failed on rank {ctx.rank} before it replaced anything: "
+                    f"{st.get('error')}"
+                )
+        d = ctx.directory()
+        if not d.local:
+            return
+        if job.no_room is not None:
+            room.check_replace(d.path, job.no_room, is_owned_name)
+        elif (
+            job.early is None
+            and not job.adhoc
+            and self._incremental is None  # (referenced bytes are not written again)
+            and default_world_size() == 1  # (with several ranks, DCP decides who writes what)
+        ):
+            self._check_room_late(d.path, job)
+
+    def _check_room_late(self, directory: str, job: SaveJob) -> None:
+        """:meth:`check_replace` for a staged job placed in ``write_data`` (after the removal),
+        from lower bounds of what its files need: every tensor's bytes, the largest tensor (or
+        an equal share of all, ``files_per_rank``) in one file."""
+        sizes = [t.nbytes for t in job.tensors]
+        if not sizes:
+            return
+        needed = sum(sizes)
+        biggest = max(max(sizes), needed // max(1, self.config.files_per_rank))
+        limit = room.file_size_limit()
+        free = room.free_bytes(directory)
+        if limit is not None and biggest > limit:
+            why = OSError(errno.EFBIG, f"a data file needs at least {biggest} bytes, over this "
+                          f"process's file size limit (RLIMIT_FSIZE) of {limit}", directory)
+        elif free is not None and free < needed:
+            why = OSError(errno.ENOSPC, f"{needed} bytes to write, {free} free", directory)
+        else:
+            return
+        room.check_replace(directory, room.NoRoom(why, needed), is_owned_name)
 
     def write(
         self, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
@@ -215,14 +282,18 @@ class Placer:
         eng = self._engine
         early: EarlyPlacement | None = job.early
         copy_early = False  # the early files could not be linked: copied after the flush
+        # One rank, placed early: the checkpoint being replaced stays until this save's data is
+        # durable; every file of this save is unnamed until then (complete() names them).
+        deferred = early is not None and ctx.removal_deferred
         if early is not None:
             if early.rank != ctx.rank:  # set_up_storage_writer placed them for this context
                 raise CheckpointSaveError(
                     f"save to {ctx.path}: its data was placed early for rank {early.rank}, "
                     f"not {ctx.rank}"
                 )
-            # Under the claim, the overwritten checkpoint's files are gone: name ours.
-            copy_early = not early.matches(d) or not early.link(eng, job)
+            if not deferred:
+                # Under the claim, the overwritten checkpoint's files are gone: name ours.
+                copy_early = not early.matches(d) or not early.link(eng, job)
             layout = early.layout
             file_ids: dict[int, int] = dict(early.file_ids)
             early_at = early.placed
@@ -243,7 +314,13 @@ class Placer:
 
         def fid(f: int) -> int:
             if f not in file_ids:
-                file_ids[f] = eng.open_file(job.engine_job, d.join(data_file_name(rank, f, tag)))
+                name = d.join(data_file_name(rank, f, tag))
+                if deferred:  # unnamed too, beside the early ones (named in complete())
+                    assert early is not None
+                    file_ids[f] = eng.open_file(job.engine_job, name, early.anon_dir)
+                    early.adopt_fd(f, eng.dup_fd(job.engine_job, file_ids[f]))
+                else:
+                    file_ids[f] = eng.open_file(job.engine_job, name)
             return file_ids[f]
 
         # Tensor items in the order their bytes land: those copied at the save call first (they
@@ -335,7 +412,7 @@ class Placer:
         if added_late:
             eng.start_copies(job.engine_job)
         ext_records: list[tuple[int, int, int, int, int, int]] = []
-        unlinked_fds = early.fds if copy_early and early is not None else {}
+        unlinked_fds = early.fds if (copy_early or deferred) and early is not None else {}
         for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
             # Not linked (copied later): write into the unnamed file, through its descriptor.
             unnamed = unlinked_fds.get(f)
@@ -362,7 +439,16 @@ class Placer:
 
         def complete() -> None:
             wait_written(eng, job, f"{ctx.path} (rank {ctx.rank})")
-            if copy_early:
+            copy_now = copy_early
+            if deferred:
+                # This save's data is durable: only now does the checkpoint it replaces go
+                # (.metadata first), and its files get their names.
+                assert early is not None and ctx.path_key is not None
+                check_claim(ctx.path_key, d)  # removed meanwhile: not recreated here
+                d.prepare(self.config.durable)
+                ctx.removal_deferred = False
+                copy_now = not early.link_named(d)
+            if copy_now:
                 assert early is not None
                 early.copy_into(d, self.config.durable)
             if infos:

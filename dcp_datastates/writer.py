@@ -12,8 +12,10 @@ call                        thread / ranks  what happens here
 ``set_up_storage_writer``   save thread     rank and role recorded; waits for earlier saves;
                                             one rank, local path: the staged tensors are
                                             placed in unnamed files and flush from here on
-``prepare_local_plan``      all             unchanged
-``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed;
+``prepare_local_plan``      all             refuses a save that failed or cannot fit
+                                            (nothing of the old checkpoint removed yet)
+``prepare_global_plan``     coordinator     path claimed; stale ``.metadata`` removed (one
+                                            rank placed early: once its data is durable);
                                             in-progress marker written
 ``write_data(plan, pl.)``   all             the job is found (by staged-object identity) or
                                             created (dcp.save); items placed in files; the
@@ -723,6 +725,15 @@ class DataStatesWriter(StorageWriter):
                     f"committed checkpoint (rank {ctx.rank}); save to another checkpoint_id or "
                     "use a DataStatesWriter with overwrite=True"
                 )
+        elif (holder := getattr(self._tls, "holder", None)) is not None and not holder.ctx.finished:
+            # Nothing of the checkpoint being replaced is removed for a save that has failed or
+            # cannot fit (dcp_datastates.room): every rank checks before the claim.
+            ctx = holder.ctx
+            try:
+                self._placer.check_replace(ctx, ctx.job)
+            except BaseException:
+                ctx.end_gc_pause()
+                raise
         # DCP pickles it (collectives, .metadata): planner.py, wire.py
         return compact_plan(share_equal_values(plan))
 
@@ -942,7 +953,12 @@ class DataStatesWriter(StorageWriter):
             logger.error("%s is not copied to the persistent tier: %s", ctx.path, str(e))
 
     def _claim_and_prepare(self, ctx: SaveContext) -> None:
-        claim_path(ctx, self.config.durable)
+        claim_path(
+            ctx,
+            self.config.durable,
+            lambda: self._placer.check_replace(ctx, ctx.job),
+            defer_removal=self._placer.defers_removal(ctx, ctx.job),
+        )
 
     def _release_claim(self, ctx: SaveContext) -> None:
         release_claim(ctx)

@@ -292,3 +292,58 @@ def test_enospc_on_manifest_or_metadata_names_the_file(
     assert "No space left on device" in str(ei.value)
     assert str(path / name) in str(ei.value), str(ei.value)
     assert not (path / f"{name}.tmp").exists()
+
+
+def _open_fds_to(path: str) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)") == path:
+                found.append(fd)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-directory", "overwrite"])
+def test_disk_full_writing_the_lock_marker_locks_nothing(
+    tmp_path: Path, writer_factory: Any, monkeypatch: Any, existing: bool
+) -> None:
+    """ENOSPC while writing the marker's owner record: the error names the marker, nothing stays
+    locked or open, a marker this save created is gone, an old checkpoint is untouched, and the
+    next save to the path in this process succeeds once space is back."""
+    path = tmp_path / "ckpt"
+    marker = path / ck.INCOMPLETE_MARKER
+    w = writer_factory()
+    if existing:
+        dcp.save(_sd(1.0), storage_writer=w, checkpoint_id=str(path))
+    before = sorted(os.listdir(path)) if existing else None
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(marker):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(BaseException) as ei:
+        dcp.async_save(_sd(2.0), storage_writer=w, checkpoint_id=str(path)).result(timeout=60)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert "No space left on device" in str(ei.value) and str(marker) in str(ei.value), ei.value
+    assert not _open_fds_to(str(marker))  # the marker's descriptor is closed
+    assert not marker.exists()  # created by the failed save: removed again
+    if existing:
+        assert sorted(os.listdir(path)) == before
+        out = _sd(0.0)
+        dcp.load(out, checkpoint_id=str(path))
+        assert torch.equal(out["w"], _sd(1.0)["w"])
+        assert verify_checkpoint(str(path)).ok
+    # Nothing holds the lock: another process's view (flock on a new descriptor) is free...
+    fd = dcp_datastates.commit.lock_marker(str(path), create=True, purpose="a test")
+    assert fd is not None
+    dcp_datastates.commit.unlock_marker(fd)
+    # ...and the same writer saves to the path again.
+    dcp.async_save(_sd(3.0), storage_writer=w, checkpoint_id=str(path)).result(timeout=60)
+    out = _sd(0.0)
+    dcp.load(out, checkpoint_id=str(path))
+    assert torch.equal(out["w"], _sd(3.0)["w"]) and out["step"] == 3

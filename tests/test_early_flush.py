@@ -3,6 +3,7 @@ unnamed files that get their names only under the path claim."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -21,7 +22,6 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_datastates import DataStatesWriter
 from dcp_datastates.engine import Engine
-from dcp_datastates.errors import CheckpointSaveError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -153,21 +153,25 @@ def test_a_save_failing_in_planning_leaves_no_data_files(
 def test_files_that_cannot_be_linked_are_copied_into_place(
     tmp_path: Any, writer_factory: Any, monkeypatch: Any, linked_first: int
 ) -> None:
-    real = Engine.link_file
+    # One rank names its files once their data is durable, with os.link through /proc/self/fd
+    # (several ranks name them under the claim, with Engine.link_file).
+    real = os.link
     calls = []
 
-    def refuse(self: Engine, job: int, file: int) -> None:
-        calls.append(file)
-        if len(calls) <= linked_first:  # the first files are named, the next one is not
-            return real(self, job, file)
-        raise CheckpointSaveError("cannot name a data file: injected EXDEV")
+    def refuse(src: str, dst: str, **kw: Any) -> None:
+        if src.startswith("/proc/self/fd/"):
+            calls.append(dst)
+            if len(calls) > linked_first:  # the first files are named, the next one is not
+                raise OSError(errno.EXDEV, "injected EXDEV")
+        real(src, dst, **kw)
 
-    monkeypatch.setattr(Engine, "link_file", refuse)
+    monkeypatch.setattr(os, "link", refuse)
     path = str(tmp_path / "ckpt")
     state = _state(5)
     w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     with captured_logs("dcp_datastates.writer") as records:
         dcp.async_save(state, storage_writer=w, checkpoint_id=path).result(timeout=HANG_S)
+    assert len(calls) == linked_first + 1
     assert any("copied into place" in r.getMessage() for r in records)
     assert_state_equal(_load(path, state), state)
     assert w.save_stats()[-1]["early_tensors"] == 3
