@@ -697,10 +697,11 @@ class Stager:
                     continue
             self._make_lazy(job, cap)
         # Then what may be lazy: the background copies take it, unless the machine's other work
-        # would starve them (cpuload.py); host state is then copied now, what fits right away.
+        # would starve them (cpuload.py) and no barrier could raise them to normal priority
+        # (Engine.can_boost): host state is then copied now, what fits right away.
         if self._meter is not None and (batch.lazy or job.lazy_bytes):
             load = self._meter.sample()
-            if load is not None and load.starves_idle_threads:
+            if load is not None and load.starves_idle_threads and not self._engine.can_boost():
                 self._capture_now_busy(job, batch)
         for cap in batch.lazy:
             if not cap.at_call:

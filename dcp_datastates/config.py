@@ -87,9 +87,10 @@ class WriterConfig:
         prefault: touch the cache pages when the writer is created.
         flush_nice: niceness (0..19) of flush threads when they do not run under SCHED_IDLE.
         idle_priority: run copy threads under SCHED_IDLE.
-        adapt_to_load: with ``idle_priority``, copy a save's lazy state at the call instead when
-            other processes kept every core busy since the previous save (the idle-priority
-            copy threads would starve; dcp_datastates.cpuload).
+        adapt_to_load: with ``idle_priority`` and no barrier boost (the OS refuses to raise
+            the copy threads), copy a save's lazy state at the call instead when other
+            processes kept every core busy since the previous save (the idle-priority copy
+            threads would starve; dcp_datastates.cpuload).
         flush_idle: run flush threads under SCHED_IDLE too.
         step_barrier: take part in the automatic optimizer-step barrier.
         format: "torch" (tensors as torch.save archives, loadable by the stock dcp.load) or

@@ -6,7 +6,9 @@ neighbour job), that is nothing, and the copies would land at the optimizer step
 waits for them. The capture policy (:mod:`dcp_datastates.capture`) therefore asks, at each save
 call, how the machine spent the interval since the previous call: when other processes took CPU
 and less than one core was left idle, lazy copies would starve, so that save copies its state at
-the call instead (native threads at normal priority, the training thread among them).
+the call instead (native threads at normal priority, the training thread among them). It asks
+only where the OS refuses to raise the copy threads to normal priority while a step waits
+(``Engine.can_boost``): with that boost, copies a step waits for run at normal priority anyway.
 
 Linux only (``/proc/stat``, ``/proc/self/stat``); elsewhere :meth:`CpuMeter.sample` returns None
 and the policy stays as configured. Thread-safety: one meter per writer, sampled by the thread

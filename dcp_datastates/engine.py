@@ -277,6 +277,11 @@ class Engine:
         with translate_errors("cannot read the engine counters"):
             return dict(self._core.counters())
 
+    def can_boost(self) -> bool:
+        """Whether a barrier can raise the idle-priority copy threads to normal priority (the
+        OS allows leaving ``SCHED_IDLE``; probed when the first copy thread started)."""
+        return bool(self.counters().get("boost_available", False))
+
     # -- test hooks ------------------------------------------------------------------------
     def pause_copies(self, paused: bool) -> None:
         self._core.pause_copies(paused)

@@ -191,10 +191,12 @@ class DataStatesWriter(StorageWriter):
         flush_nice: niceness (0..19) of flush threads (default 5) when they are not idle.
         idle_priority: run the engine's copy threads under SCHED_IDLE (default: on), so
             background copies only use CPU time training leaves idle.
-        adapt_to_load: copy a save's lazy state at the call instead (native threads at normal
-            priority) when, since the previous save, other processes kept every core busy, so
-            idle-priority copies would starve and land at the optimizer step (default: on;
-            ``dcp_datastates.cpuload``). Off: the capture policy alone decides.
+        adapt_to_load: where a step barrier cannot raise the idle-priority copy threads to
+            normal priority (the OS refuses: no CAP_SYS_NICE), copy a save's lazy state at the
+            call instead (native threads at normal priority) when, since the previous save,
+            other processes kept every core busy, so the copies would starve and land at the
+            optimizer step (default: on; ``dcp_datastates.cpuload``). Off: the capture policy
+            alone decides.
         flush_idle: run flush threads under SCHED_IDLE too (default: off). Flushes mostly wait
             for the disk (O_DIRECT writes, checksums taken during the copy), so at a normal
             priority they keep the disk busy while training runs; turn on where writes cost CPU

@@ -67,17 +67,26 @@ def _clone(x: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("load", "lazy"), [(BUSY, False), (QUIET, True), (MANY_CORES, True), (None, True)]
+    ("load", "boost", "lazy"),
+    [
+        (BUSY, False, False),
+        (BUSY, True, True),
+        (QUIET, False, True),
+        (MANY_CORES, False, True),
+        (None, False, True),
+    ],
 )
 def test_busy_machine_copies_at_the_call_and_keeps_the_snapshot(
-    tmp_path: Any, writer_factory: Any, load: CpuLoad | None, lazy: bool
+    tmp_path: Any, writer_factory: Any, load: CpuLoad | None, boost: bool, lazy: bool
 ) -> None:
-    """Busy (others took a core, none idle): the optimizer's state is copied at the call, nothing
-    is left to the copy threads, and the checkpoint holds the state of the call although the
-    step changes it at once. Quiet, or idle cores left (a large node), or no counters: lazy."""
+    """Busy (others took a core, none idle) where no barrier may raise the copy threads: the
+    optimizer's state is copied at the call, nothing is left to the copy threads, and the
+    checkpoint holds the state of the call although the step changes it at once. Busy but
+    boostable, quiet, idle cores left (a large node), or no counters: lazy."""
     model, opt = _model_and_opt()
     w: DataStatesWriter = writer_factory(host_cache_size="16MiB")
     w._stager._meter = FixedMeter(load)
+    w.engine.can_boost = lambda: boost  # type: ignore[method-assign]
     ref = _clone(_state(model, opt))
     fut = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "c"))
     _step(model, opt)  # changes every parameter and moment right after the call
@@ -102,6 +111,7 @@ def test_busy_capture_left_to_the_copies_when_the_cache_is_full(
     cache = f"{int(nbytes * 3.5)}B"
     w: DataStatesWriter = writer_factory(host_cache_size=cache, chunk_size="64KiB")
     w._stager._meter = FixedMeter(BUSY)
+    w.engine.can_boost = lambda: False  # type: ignore[method-assign]
     w.engine.set_delays(0, 100_000, seed=1)  # slow flushes: the first save holds its space
     ref1 = _clone(_state(model, opt))
     f1 = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "a"))
@@ -188,6 +198,8 @@ def test_barrier_boosts_idle_copy_threads_and_lowers_them_again(
     SCHED_IDLE = 5
     assert _copy_policies() and set(_copy_policies()) == {SCHED_IDLE}
     before = w.engine.counters()
+    if os.geteuid() == 0:  # root may leave SCHED_IDLE
+        assert before["boost_available"]
     ref = _clone(_state(model, opt))
     w.engine.set_delays(20_000, 0, seed=2)  # slow copies: unfinished when the step comes
     fut = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "c"))

@@ -411,6 +411,7 @@ PYBIND11_MODULE(_core, m) {
              d["helped_copies"] = c.helped_copies;
              d["boosts"] = c.boosts;
              d["boost_refused"] = c.boost_refused;
+             d["boost_available"] = c.boost_available;
              return d;
            })
       .def("pause_copies", [](EngineHandle& h, bool p) { h.get().pause_copies(p); },

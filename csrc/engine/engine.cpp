@@ -641,10 +641,15 @@ void Engine::copy_loop(int index) {
     std::lock_guard<std::mutex> lock(boost_mu_);
     copy_tids_.push_back(static_cast<pid_t>(::syscall(SYS_gettid)));
     set_thread_identity(options_, /*flush=*/false, index);
-    if (boosted_) {
-      sched_param param{};
-      ::sched_setscheduler(copy_tids_.back(), SCHED_OTHER, &param);  // best effort
+    sched_param param{};
+    if (index == 0 && options_.idle_priority &&
+        ::sched_getscheduler(copy_tids_.back()) == SCHED_IDLE) {
+      // Whether a barrier may raise the copy threads (leaving SCHED_IDLE needs CAP_SYS_NICE or
+      // a large enough RLIMIT_NICE): tried once, on this thread, and undone at once.
+      boost_available_ = ::sched_setscheduler(copy_tids_.back(), SCHED_OTHER, &param) == 0;
+      if (boost_available_) ::sched_setscheduler(copy_tids_.back(), SCHED_IDLE, &param);
     }
+    if (boosted_) ::sched_setscheduler(copy_tids_.back(), SCHED_OTHER, &param);  // best effort
   }
   // Per-thread CUDA resources, created on first use, one stream/event per device.
   CudaResources cuda_res;
@@ -1480,11 +1485,12 @@ EngineCounters Engine::counters() {
   for (auto& kv : jobs_)
     for (auto& f : kv.second->files) files += f->is_open() ? 1 : 0;
   EngineCounters c{cache_.size(), ring_.used_bytes(), ring_.live_blocks(), jobs_.size(),
-                   files, copy_queue_.size(), flush_queue_.size(), helped_copies_, 0, 0};
+                   files, copy_queue_.size(), flush_queue_.size(), helped_copies_, 0, 0, false};
   lock.unlock();
   std::lock_guard<std::mutex> boost_lock(boost_mu_);
   c.boosts = boosts_;
   c.boost_refused = boost_refused_;
+  c.boost_available = boost_available_;
   return c;
 }
 

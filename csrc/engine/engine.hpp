@@ -117,6 +117,9 @@ struct EngineCounters {
   // CAP_SYS_NICE or a sufficient RLIMIT_NICE; the barrier then copies alone).
   std::uint64_t boosts;
   std::uint64_t boost_refused;
+  // The copy threads run under SCHED_IDLE and a barrier may raise them (probed once when the
+  // first copy thread starts; false without idle_priority or where the OS refuses).
+  bool boost_available;
 };
 
 class Engine {
@@ -331,6 +334,7 @@ class Engine {
   bool boosted_ = false;             // the copy threads run at normal priority (boost_mu_)
   std::vector<pid_t> copy_tids_;     // kernel thread ids of the copy threads (boost_mu_)
   std::uint64_t boosts_ = 0, boost_refused_ = 0;  // (boost_mu_)
+  bool boost_available_ = false;                   // (boost_mu_)
   std::uint64_t helped_copies_ = 0;  // under mu_
   // pop_copy_locked's filter: any task, host copies only (kHostDevice), or one CUDA device.
   static constexpr int kAnyDevice = -2;
