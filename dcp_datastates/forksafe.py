@@ -34,6 +34,12 @@ _lock = threading.Lock()
 _done = False
 
 
+def _archive_template() -> None:
+    from .layout import build_template  # the save thread builds one per (dtype, shape)
+
+    build_template(torch.float32, (2, 3))
+
+
 def warm_up() -> None:
     """Initialises, in this thread, the native statics a background save would otherwise create."""
     global _done
@@ -51,6 +57,8 @@ def warm_up() -> None:
             lambda: t.view(torch.uint8),
             lambda: t.detach().clone(),
             lambda: torch.save({"x": t, "n": 1}, io.BytesIO()),  # bytes items, torch format
+            t.is_inference,  # the capture policy's check (inference tensors have no version)
+            _archive_template,  # torch.frombuffer + torch.save under skip_data (layout.py)
         )
         for step in steps:
             try:
