@@ -262,11 +262,8 @@ def write_transformed(
                 raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
                 byte_items.append(_Item(item, data=raw))
                 continue
-            cap = placer.lookup(job, staged_sd, item)
-            if cap is None:
-                cap = placer.capture_late(job, item, planner)
-                added_late = True
-            placer.check_planned_shape(ctx, item, cap)
+            cap, late = placer.captured_item(ctx, job, staged_sd, item, planner)
+            added_late |= late
             if cap.spill is None:
                 eng.place_external(job.engine_job, cap.entry)
             items.append(_Item(item, cap, tmpl=placer._templates.get(cap.dtype, cap.shape)))

@@ -489,6 +489,19 @@ class Placer:
                 f"captured with shape {cap.shape}"
             )
 
+    def captured_item(
+        self, ctx: SaveContext, job: SaveJob, staged_sd: Any, item: WriteItem,
+        planner: SavePlanner,
+    ) -> tuple[CapturedTensor, bool]:
+        """The captured tensor of a planned tensor item, its planned shape checked, and whether
+        it was registered only now (the save had not staged it: the caller starts its copy)."""
+        cap = self.lookup(job, staged_sd, item)
+        late = cap is None
+        if cap is None:
+            cap = self.capture_late(job, item, planner)
+        self.check_planned_shape(ctx, item, cap)
+        return cap, late
+
     def lookup(
         self, job: SaveJob, staged_sd: Any, item: WriteItem
     ) -> CapturedTensor | None:

@@ -228,11 +228,8 @@ def write_safetensors(
         if item.type == WriteItemType.BYTE_IO:
             byte_items.append(item)
             continue
-        cap = placer.lookup(job, staged_sd, item)
-        if cap is None:
-            cap = placer.capture_late(job, item, planner)
-            added_late = True
-        placer.check_planned_shape(ctx, item, cap)
+        cap, late = placer.captured_item(ctx, job, staged_sd, item, planner)
+        added_late |= late
         try:
             dtype_name(cap.dtype, item.index.fqn)
         except ValueError as err:

@@ -77,6 +77,7 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -272,22 +273,28 @@ class _Slow:
             return os.path.getsize(src)
         dst = self.url(rel)
         tmp = _tmp_name(dst) if atomic else dst
+        with open(tmp, "wb", buffering=0) as fo:
+            n = self._stream(src, fo.write, what)
+            if self.durable:
+                os.fsync(fo.fileno())
+        if atomic:
+            os.replace(tmp, dst)
+        return n
+
+    def _stream(self, src: str, write: Callable[[memoryview], object], what: str) -> int:
+        """Reads ``src`` in buffers of ``_BUFFER`` bytes into ``write``, checking the deadline
+        and a cancel (:meth:`check`) before each; returns the bytes read."""
         n = 0
-        with open(src, "rb", buffering=0) as fi, open(tmp, "wb", buffering=0) as fo:
+        with open(src, "rb", buffering=0) as fi:
             buf = bytearray(_BUFFER)
             view = memoryview(buf)
             while True:
                 self.check(what)
                 k = fi.readinto(buf)
                 if not k:
-                    break
-                fo.write(view[:k])
+                    return n
+                write(view[:k])
                 n += k
-            if self.durable:
-                os.fsync(fo.fileno())
-        if atomic:
-            os.replace(tmp, dst)
-        return n
 
     def _upload(self, src: str, rel: str, what: str) -> int:
         """``src`` as one S3 object: a multipart upload (parts in flight bounded by the
@@ -298,18 +305,8 @@ class _Slow:
             self._fs, self._p(rel), part_bytes=min(part, MAX_PART_BYTES),
             max_in_flight=_S3_PARTS_IN_FLIGHT, deadline=self.deadline,
         )
-        n = 0
         try:
-            with open(src, "rb", buffering=0) as fi:
-                buf = bytearray(_BUFFER)
-                view = memoryview(buf)
-                while True:
-                    self.check(what)
-                    k = fi.readinto(buf)
-                    if not k:
-                        break
-                    up.write(view[:k])
-                    n += k
+            n = self._stream(src, up.write, what)
             self.check(what)
             up.close()
         except BaseException as e:

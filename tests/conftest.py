@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -20,6 +21,40 @@ if TYPE_CHECKING:
 
 
 HANG_S = 30.0  # seconds: any blocking call in a test that takes longer than this is a hang
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Any, size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` (mount's syntax: "512k", "1m") mounted at the new directory ``where``:
+    a real file system that fills up. Skips the test where mounting is not allowed (no root)."""
+    os.makedirs(where)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def gated_planner() -> Any:
+    """A DCP ``DefaultSavePlanner`` that holds the save in its local planning (after the writer's
+    set-up and early placement) until ``go`` is set; ``entered`` is set when it got there."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class GatedPlanner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered = threading.Event()
+            self.go = threading.Event()
+
+        def create_local_plan(self) -> Any:
+            self.entered.set()
+            assert self.go.wait(HANG_S), "the test never released the planner"
+            return super().create_local_plan()
+
+    return GatedPlanner()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +21,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HANG_S, assert_state_equal, captured_logs, zeros_like_state
+from conftest import (
+    HANG_S,
+    assert_state_equal,
+    captured_logs,
+    gated_planner,
+    mounted_tmpfs,
+    zeros_like_state,
+)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -59,16 +65,8 @@ def assert_intact(path: str, before: dict[str, str], sd: dict[str, Any]) -> None
 @pytest.fixture
 def small_fs(tmp_path: Any) -> Iterator[str]:
     """A 1 MiB file system (tmpfs): a real disk that fills up."""
-    mnt = tmp_path / "small-fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path / "small-fs", "1m") as mnt:
+        yield mnt
 
 
 def test_full_disk_overwrite_that_fits_once_the_old_one_is_gone_completes(
@@ -109,19 +107,6 @@ def test_full_disk_overwrite_that_cannot_fit_keeps_the_old_checkpoint(
     )
     assert_intact(path, digest(path), state(3, n=25_000))
 
-
-class GatedPlanner(DefaultSavePlanner):
-    """Holds the save in DCP's planning (after the early placement) until ``go``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entered = threading.Event()
-        self.go = threading.Event()
-
-    def create_local_plan(self) -> SavePlan:
-        self.entered.set()
-        assert self.go.wait(HANG_S), "the test never released the planner"
-        return super().create_local_plan()
 
 
 @pytest.mark.parametrize("early_flush", [True, False], ids=["early", "late"])
@@ -233,7 +218,7 @@ def test_an_early_flush_failing_before_the_claim_removes_nothing(
     w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
     dcp.save(state(1), storage_writer=w, checkpoint_id=path)
     before = digest(path)
-    planner = GatedPlanner()
+    planner = gated_planner()
     _core.set_write_fault("ckpt/__0_", errno.ENOSPC)
     try:
         fut = dcp.async_save(state(2), storage_writer=w, checkpoint_id=path, planner=planner)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HANG_S, assert_state_equal, captured_logs, zeros_like_state
+from conftest import HANG_S, assert_state_equal, captured_logs, gated_planner, zeros_like_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -36,19 +36,6 @@ def _state(seed: int) -> dict[str, Any]:
         "n": seed,
     }
 
-
-class GatedPlanner(DefaultSavePlanner):
-    """Holds the save inside DCP's planning (after set_up_storage_writer) until ``go``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entered = threading.Event()
-        self.go = threading.Event()
-
-    def create_local_plan(self) -> SavePlan:
-        self.entered.set()
-        assert self.go.wait(HANG_S), "the test never released the planner"
-        return super().create_local_plan()
 
 
 def _unnamed_bytes(directory: str) -> int:
@@ -93,7 +80,7 @@ def test_tensors_flush_during_planning_and_stay_invisible_until_the_claim(
     dcp.save(old, storage_writer=w, checkpoint_id=path)
     before = _digest(path)
 
-    planner = GatedPlanner()
+    planner = gated_planner()
     fut = dcp.async_save(new, storage_writer=w, checkpoint_id=path, planner=planner)
     try:
         assert planner.entered.wait(HANG_S)
@@ -241,7 +228,7 @@ def test_a_process_killed_before_the_claim_leaves_only_the_old_checkpoint(
         from dcp_datastates import DataStatesWriter
         w = DataStatesWriter({path!r}, host_cache_size="64MiB", chunk_size="1MiB",
                              early_flush=True)
-        planner = t.GatedPlanner()
+        planner = t.gated_planner()
         dcp.async_save(t._state(2), storage_writer=w, checkpoint_id={path!r}, planner=planner)
         assert planner.entered.wait(30)
         t._wait_for(lambda: t._unnamed_bytes({path!r}) >= t.BIG * 4, "the early flush")

@@ -16,6 +16,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import mounted_tmpfs
 from fsspec.implementations.memory import MemoryFileSystem
 
 from dcp_datastates import DataStatesWriter, _core
@@ -45,16 +46,8 @@ def assert_recovers(w: DataStatesWriter, tmp_path: Any, failed_path: str) -> Non
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Any) -> Iterator[str]:
-    mnt = tmp_path / "tiny-fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path / "tiny-fs", "512k") as mnt:
+        yield mnt
 
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
