@@ -60,6 +60,16 @@ class ObjectWriter(Protocol):
     def abort(self) -> str | None: ...
 
 
+def abort_after(out: ObjectWriter, err: BaseException) -> None:
+    """Abandons ``out`` after ``err``: what the abort could not clean up is logged and added to
+    ``err`` as a note."""
+    left = out.abort()
+    if left is not None:
+        logger.warning("%s", left)
+        if isinstance(err, Exception):
+            err.add_note(left)
+
+
 class _FsspecFile:
     """An fsspec file object opened for writing, with an abort that does not commit it."""
 
@@ -152,11 +162,7 @@ def write_sequential(
             pos += len(it.suffix)
         out.close()
     except BaseException as e:
-        left = out.abort()
-        if left is not None:
-            logger.warning("%s", left)
-            if isinstance(e, Exception):
-                e.add_note(left)
+        abort_after(out, e)
         if isinstance(e, OSError) and path not in str(e):
             if e.errno is None:
                 raise OSError(f"writing {path}: {e}") from e

@@ -95,6 +95,7 @@ from .checkpoints import (
 )
 from .commit import claimed_paths, manifest_name
 from .errors import CheckpointBusyError, DataStatesError
+from .fsspec_sink import abort_after
 from .refs import lock_shared, unlock
 from .s3 import MAX_PART_BYTES, MAX_PARTS, MultipartUpload, fs_bounds, is_s3, open_fs
 
@@ -310,11 +311,7 @@ class _Slow:
             self.check(what)
             up.close()
         except BaseException as e:
-            left = up.abort()
-            if left is not None:
-                logger.warning("%s", left)
-                if isinstance(e, Exception):
-                    e.add_note(left)
+            abort_after(up, e)
             raise
         return n
 

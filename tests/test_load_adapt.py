@@ -8,6 +8,7 @@ one), and the meter itself is checked against a real busy process.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import time
@@ -56,16 +57,6 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]
     return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
-def _clone(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clone(v) for v in x]
-    return x
-
-
 @pytest.mark.parametrize(
     ("load", "boost", "lazy"),
     [
@@ -87,7 +78,7 @@ def test_busy_machine_copies_at_the_call_and_keeps_the_snapshot(
     w: DataStatesWriter = writer_factory(host_cache_size="16MiB")
     w._stager._meter = FixedMeter(load)
     w.engine.can_boost = lambda: boost  # type: ignore[method-assign]
-    ref = _clone(_state(model, opt))
+    ref = copy.deepcopy(_state(model, opt))
     fut = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "c"))
     _step(model, opt)  # changes every parameter and moment right after the call
     fut.result(timeout=30)
@@ -113,10 +104,10 @@ def test_busy_capture_left_to_the_copies_when_the_cache_is_full(
     w._stager._meter = FixedMeter(BUSY)
     w.engine.can_boost = lambda: False  # type: ignore[method-assign]
     w.engine.set_delays(0, 100_000, seed=1)  # slow flushes: the first save holds its space
-    ref1 = _clone(_state(model, opt))
+    ref1 = copy.deepcopy(_state(model, opt))
     f1 = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "a"))
     _step(model, opt)
-    ref2 = _clone(_state(model, opt))
+    ref2 = copy.deepcopy(_state(model, opt))
     f2 = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "b"))
     _step(model, opt)
     f1.result(timeout=60)
@@ -200,7 +191,7 @@ def test_barrier_boosts_idle_copy_threads_and_lowers_them_again(
     before = w.engine.counters()
     if os.geteuid() == 0:  # root may leave SCHED_IDLE
         assert before["boost_available"]
-    ref = _clone(_state(model, opt))
+    ref = copy.deepcopy(_state(model, opt))
     w.engine.set_delays(20_000, 0, seed=2)  # slow copies: unfinished when the step comes
     fut = dcp.async_save(_state(model, opt), storage_writer=w, checkpoint_id=str(tmp_path / "c"))
     _step(model, opt)  # the barrier helps, boosted
