@@ -209,15 +209,20 @@ def test_no_room_even_without_the_old_checkpoint_removes_nothing(
     assert_state_equal(out, state(3))
 
 
+def _old_checkpoint(tmp_path: Any, writer_factory: Any) -> tuple[str, DataStatesWriter, dict[str, str]]:
+    """A writer with early placement, the checkpoint it will overwrite, and that one's digest."""
+    path = str(tmp_path / "ckpt")
+    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
+    dcp.save(state(1), storage_writer=w, checkpoint_id=path)
+    return path, w, digest(path)
+
+
 def test_an_early_flush_failing_before_the_claim_removes_nothing(
     tmp_path: Any, writer_factory: Any
 ) -> None:
     # The early flush runs out of space (injected) while DCP plans: the claim must not remove
     # the old checkpoint for a save that has failed already.
-    path = str(tmp_path / "ckpt")
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
-    dcp.save(state(1), storage_writer=w, checkpoint_id=path)
-    before = digest(path)
+    path, w, before = _old_checkpoint(tmp_path, writer_factory)
     planner = gated_planner()
     _core.set_write_fault("ckpt/__0_", errno.ENOSPC)
     try:
@@ -265,10 +270,7 @@ def test_one_rank_keeps_the_old_checkpoint_until_its_data_is_durable(
     # With its tensors placed early, a single-rank save removes the checkpoint it replaces only
     # once its own data is durable: a failure after the claim leaves the old one whole, marker
     # included (none).
-    path = str(tmp_path / "ckpt")
-    w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
-    dcp.save(state(1), storage_writer=w, checkpoint_id=path)
-    before = digest(path)
+    path, w, before = _old_checkpoint(tmp_path, writer_factory)
     with pytest.raises(BaseException, match="injected failure after the claim"):
         dcp.async_save(state(2), storage_writer=w, checkpoint_id=path,
                        planner=FailAfterTheClaim(w)).result(timeout=HANG_S)
