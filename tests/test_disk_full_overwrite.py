@@ -209,7 +209,9 @@ def test_no_room_even_without_the_old_checkpoint_removes_nothing(
     assert_state_equal(out, state(3))
 
 
-def _old_checkpoint(tmp_path: Any, writer_factory: Any) -> tuple[str, DataStatesWriter, dict[str, str]]:
+def _old_checkpoint(
+    tmp_path: Any, writer_factory: Any
+) -> tuple[str, DataStatesWriter, dict[str, str]]:
     """A writer with early placement, the checkpoint it will overwrite, and that one's digest."""
     path = str(tmp_path / "ckpt")
     w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
