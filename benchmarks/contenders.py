@@ -549,7 +549,7 @@ class DataStatesAsyncEarly(DataStatesAsync):
 
 class DataStatesAsyncLate(DataStatesAsync):
     """``ds_async`` with ``early_flush=False``: every item placed in ``write_data``, after DCP's
-    planning, as before early placement (dcp_datastates.early). Run beside ``ds_async`` to see
+    planning, as before early placement (dcp_datastates.save.early). Run beside ``ds_async`` to see
     what flushing during the planning gains."""
 
     name = "ds_async_late"

@@ -16,7 +16,7 @@ per round):
 ``--owned`` makes an optimizer that has stepped own the state, as in training, and steps it
 after each save call (``step_s``: the step, with its wait for the lazy copies).
 ``--state dtensor`` holds the parameters as FSDP2 does, DTensors sharded over all ranks (their
-shards are placed, and flush, before DCP plans: dcp_datastates.early); the default ``plain``
+shards are placed, and flush, before DCP plans: dcp_datastates.save.early); the default ``plain``
 holds each rank's shard as a plain tensor under a name of its own.
 
 Per save and rank: ``call_s`` (async_save blocked the caller), ``plan_s`` (from the planner's

@@ -3,6 +3,23 @@
 A StorageWriter (and AsyncStager) that snapshots model and optimizer state into a preallocated
 host cache with native threads and flushes it to storage in the background; the checkpoints are
 plain DCP checkpoints that the stock ``dcp.load`` reads. See README.md and docs/.
+
+The package, by concern (docs/architecture.md has the whole picture):
+
+* ``engine``, ``config``, ``errors``: the native engine's facade (host cache, copy and flush
+  threads in ``_core``), the writer's configuration, the exceptions;
+* ``save/``: the DCP StorageWriter and everything one save runs through;
+* ``format/``: the on-disk format (archives, manifests, the commit, references, safetensors),
+  ``verify`` and ``export``;
+* ``restore/``: readers (the stock ``dcp.load`` needs none of them);
+* ``storage/``: fsspec and S3 sinks, disk space;
+* ``lifecycle/``: retention, promotion to a persistent tier, ``resume_path``;
+* ``runtime/``: process-wide helpers (GC pauses, CPU load, DCP's logging);
+* ``integrations/``: DeepSpeed, Lightning, Accelerate, Nanotron, torchtitan;
+* ``cli``: the ``dcp-datastates`` command.
+
+Imports flow one way: ``save`` and ``restore`` use ``format`` and ``storage``, never the reverse
+(``tests/test_architecture.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +48,13 @@ from .errors import (
     DataStatesError,
     IntegrityError,
 )
-from .load import load
-from .planner import DataStatesSavePlanner
-from .reader import DataStatesReader
-from .tiers import PersistError, resume_path
-from .verify import VerifyReport, verify_checkpoint
-from .writer import DataStatesWriter, ProtectHandle
+from .format.verify import VerifyReport, verify_checkpoint
+from .lifecycle import checkpoints  # dcp_datastates.checkpoints.prune(...) and friends
+from .lifecycle.tiers import PersistError, resume_path
+from .restore.load import load
+from .restore.reader import DataStatesReader
+from .save.planner import DataStatesSavePlanner
+from .save.writer import DataStatesWriter, ProtectHandle
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -56,6 +74,7 @@ __all__ = [
     "ProtectHandle",
     "VerifyReport",
     "WriterConfig",
+    "checkpoints",
     "load",
     "parse_size",
     "resume_path",

@@ -17,7 +17,7 @@ hold: the error names it), 2 if the input is not a checkpoint, the selection hol
 it is a terminal (``--progress`` forces it, ``--quiet`` turns it off). Object-store URLs
 (``s3://...``) take their storage options from fsspec's configuration
 (``FSSPEC_S3='{"endpoint_url": ...}'``); ``cleanup`` of such a root requires ``--min-age``
-(:mod:`dcp_datastates.remote`).
+(:mod:`dcp_datastates.lifecycle.remote`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .verify import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, verify_paths
+from .format.verify import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, verify_paths
 
 
 def _progress_flags(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def _verify(paths: list[str], progress: bool = False) -> int:
 
 def _cleanup_remote(root: str, min_age: float | None, exclude: list[str]) -> int:
     """Object stores (no lock there): --min-age is required; options from FSSPEC_<PROTOCOL>."""
-    from .remote import cleanup_incomplete
+    from .lifecycle.remote import cleanup_incomplete
 
     if min_age is None:
         print(
@@ -76,7 +76,7 @@ def _cleanup_remote(root: str, min_age: float | None, exclude: list[str]) -> int
 
 
 def _cleanup(root: str, min_age: float | None, exclude: list[str]) -> int:
-    from .checkpoints import cleanup_incomplete, local_root
+    from .lifecycle.checkpoints import cleanup_incomplete, local_root
 
     try:
         path = local_root(root)
@@ -104,7 +104,7 @@ def _cleanup(root: str, min_age: float | None, exclude: list[str]) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from .config import parse_size
-    from .export import (
+    from .format.export import (
         ExportError,
         NotACheckpointError,
         NothingToExportError,

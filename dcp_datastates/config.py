@@ -75,7 +75,7 @@ class WriterConfig:
         files_per_rank: data files each rank writes (written in parallel).
         o_direct: write payloads with O_DIRECT (4 KiB-aligned), bypassing the page cache.
         early_flush: place a staged save's tensors when its save thread begins, before DCP
-            plans (one rank, local directories; dcp_datastates.early).
+            plans (one rank, local directories; dcp_datastates.save.early).
         capture: "auto" (the DataStates policy, chosen by measurement; "owned" is the same)
             copies every optimizer-owned tensor in the background, the owner's next ``step()``
             waiting for it, and snapshots everything else at the call; "lazy"
@@ -90,7 +90,7 @@ class WriterConfig:
         adapt_to_load: with ``idle_priority`` and no barrier boost (the OS refuses to raise
             the copy threads), copy a save's lazy state at the call instead when other
             processes kept every core busy since the previous save (the idle-priority copy
-            threads would starve; dcp_datastates.cpuload).
+            threads would starve; dcp_datastates.runtime.cpuload).
         flush_idle: run flush threads under SCHED_IDLE too.
         step_barrier: take part in the automatic optimizer-step barrier.
         format: "torch" (tensors as torch.save archives, loadable by the stock dcp.load) or

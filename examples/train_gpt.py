@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # noqa: E402
 from torch.distributed.checkpoint.storage import StorageWriter  # noqa: E402
 
-from dcp_datastates.checkpoints import (  # noqa: E402
+from dcp_datastates.lifecycle.checkpoints import (  # noqa: E402
     RetentionPolicy,
     cleanup_incomplete,
     latest_complete,

@@ -133,11 +133,11 @@ def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every writer in this process sees a quiet machine (``CpuMeter.sample`` measures nothing).
 
     With ``adapt_to_load`` (the default) a save's lazy state is copied at the call when other
-    processes kept the cores busy (dcp_datastates.cpuload); on a test machine that depends on
-    whatever else runs, so tests that check lazy capture would depend on it too. The adaptation
+    processes kept the cores busy (dcp_datastates.runtime.cpuload); on a test machine that depends
+    on whatever else runs, so tests that check lazy capture would depend on it too. The adaptation
     itself is tested with a meter that reports a chosen load (tests/test_load_adapt.py).
     """
-    from dcp_datastates import cpuload
+    from dcp_datastates.runtime import cpuload
 
     monkeypatch.setattr(cpuload.CpuMeter, "sample", lambda self: None)
 

@@ -14,7 +14,8 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesWriter, commit
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.format import commit
 
 warnings.filterwarnings("ignore")
 

@@ -1,4 +1,4 @@
-"""Unit tests for dcp_datastates.checkpoints (pure stdlib, no torch needed)."""
+"""Unit tests for dcp_datastates.lifecycle.checkpoints (pure stdlib, no torch needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_datastates.checkpoints import (
+from dcp_datastates.lifecycle.checkpoints import (
     INCOMPLETE_MARKER,
     LATEST_FILE,
     METADATA_FILE,
@@ -361,7 +361,7 @@ def test_cleanup_goes_on_past_a_directory_it_cannot_remove(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An OSError on one partial directory is reported naming it (exit 1); the others go."""
-    import dcp_datastates.checkpoints as ck
+    import dcp_datastates.lifecycle.checkpoints as ck
     from dcp_datastates.cli import main
 
     p1, p2, p3 = (make_partial(tmp_path, f"step-{i}") for i in (1, 2, 3))

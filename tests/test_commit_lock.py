@@ -26,11 +26,11 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 
 import dcp_datastates
-from dcp_datastates import checkpoints as ck
 from dcp_datastates import verify_checkpoint
 from dcp_datastates.cli import main as cli_main
-from dcp_datastates.commit import CheckpointDir
 from dcp_datastates.errors import CheckpointSaveError
+from dcp_datastates.format.commit import CheckpointDir
+from dcp_datastates.lifecycle import checkpoints as ck
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -96,7 +96,7 @@ def test_save_from_another_process_is_refused_and_a_dead_lock_recovered(
 
 
 def test_in_process_second_save_is_refused(tmp_path: Path, writer_factory: Any) -> None:
-    from dcp_datastates.commit import claim_and_prepare, release_path
+    from dcp_datastates.format.commit import claim_and_prepare, release_path
 
     d = CheckpointDir(str(tmp_path / "c"))
     key = claim_and_prepare(d, durable=False)
@@ -339,9 +339,9 @@ def test_disk_full_writing_the_lock_marker_locks_nothing(
         assert torch.equal(out["w"], _sd(1.0)["w"])
         assert verify_checkpoint(str(path)).ok
     # Nothing holds the lock: another process's view (flock on a new descriptor) is free...
-    fd = dcp_datastates.commit.lock_marker(str(path), create=True, purpose="a test")
+    fd = dcp_datastates.format.commit.lock_marker(str(path), create=True, purpose="a test")
     assert fd is not None
-    dcp_datastates.commit.unlock_marker(fd)
+    dcp_datastates.format.commit.unlock_marker(fd)
     # ...and the same writer saves to the path again.
     dcp.async_save(_sd(3.0), storage_writer=w, checkpoint_id=str(path)).result(timeout=60)
     out = _sd(0.0)

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_datastates
 from dcp_datastates import verify_checkpoint
-from dcp_datastates.checkpoints import (
+from dcp_datastates.lifecycle.checkpoints import (
     INCOMPLETE_MARKER,
     METADATA_FILE,
     CheckpointState,

@@ -1,5 +1,6 @@
-"""DCP's per-key DEBUG events: skipped only when nobody can receive them (dcp_datastates.dcplog).
-Each case runs in a fresh interpreter: the logger is process-wide state."""
+"""DCP's per-key DEBUG events: skipped only when nobody can receive them
+(dcp_datastates.runtime.dcplog). Each case runs in a fresh interpreter: the logger is process-wide
+state."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Overwriting a checkpoint on a (nearly) full disk: nothing of the checkpoint being replaced is
-removed for a save that has failed or cannot fit (dcp_datastates.room).
+removed for a save that has failed or cannot fit (dcp_datastates.storage.room).
 
 Each test failed before the fix: an early-placed save that ran out of space (or past the file
 size limit) beside the old checkpoint removed it under the claim and then failed, leaving no
@@ -32,7 +32,8 @@ from conftest import (
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_datastates import DataStatesWriter, _core, room, verify_checkpoint
+from dcp_datastates import DataStatesWriter, _core, verify_checkpoint
+from dcp_datastates.storage import room
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -277,7 +278,7 @@ def test_one_rank_keeps_the_old_checkpoint_until_its_data_is_durable(
         dcp.async_save(state(2), storage_writer=w, checkpoint_id=path,
                        planner=FailAfterTheClaim(w)).result(timeout=HANG_S)
     assert_intact(path, before, state(1))
-    with captured_logs("dcp_datastates.writer") as records:
+    with captured_logs("dcp_datastates.save.writer") as records:
         dcp.async_save(state(3), storage_writer=w, checkpoint_id=path).result(timeout=HANG_S)
     assert not any("copied into place" in r.getMessage() for r in records)  # linked
     assert w.save_stats()[-1]["early_tensors"] == 2

@@ -52,7 +52,7 @@ def _dtensor_body(rank: int, world: int, root: str, mode: str) -> None:
         dcp.async_save(sd, storage_writer=w, checkpoint_id=root, process_group=pg).result()
         # The three sharded DTensors (an empty shard included) are this rank's alone: placed,
         # and flushing, before DCP planned; the replicated and the plain tensor waited for its
-        # deduplication (dcp_datastates.early).
+        # deduplication (dcp_datastates.save.early).
         assert w.save_stats()[-1]["early_tensors"] == 3, w.save_stats()[-1]
     else:
         dcp.save(sd, storage_writer=w, checkpoint_id=root, process_group=pg)
@@ -145,7 +145,7 @@ def _every_iteration_body(rank: int, world: int, root: str, kind: str) -> None:
         f.result()
     early = [st["early_tensors"] for st in w.save_stats()]
     # FSDP2 keeps parameters and optimizer state as shards no other rank holds: placed before
-    # DCP planned (dcp_datastates.early). DDP's replicated tensors wait for its deduplication.
+    # DCP planned (dcp_datastates.save.early). DDP's replicated tensors wait for its deduplication.
     assert all(e > 0 for e in early) if kind == "fsdp2" else not any(early), early
     w.close()
     dist.barrier()
@@ -212,7 +212,7 @@ def _no_collection_body(rank: int, world: int, root: str) -> list[int]:
     import gc
     import time
 
-    import dcp_datastates.rank_commit as rank_commit
+    import dcp_datastates.save.rank_commit as rank_commit
     from dcp_datastates import DataStatesWriter
 
     sd = {"model": {f"r{rank}.t{i}": torch.full((4,), float(i)) for i in range(1500)}}

@@ -1,4 +1,4 @@
-"""Early placement (dcp_datastates.early): a staged save's tensors flush while DCP plans, into
+"""Early placement (dcp_datastates.save.early): a staged save's tensors flush while DCP plans, into
 unnamed files that get their names only under the path claim."""
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_files_that_cannot_be_linked_are_copied_into_place(
     path = str(tmp_path / "ckpt")
     state = _state(5)
     w: DataStatesWriter = writer_factory(host_cache_size="64MiB", early_flush=True)
-    with captured_logs("dcp_datastates.writer") as records:
+    with captured_logs("dcp_datastates.save.writer") as records:
         dcp.async_save(state, storage_writer=w, checkpoint_id=path).result(timeout=HANG_S)
     assert len(calls) == linked_first + 1
     assert any("copied into place" in r.getMessage() for r in records)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dcp_datastates import _core
-from dcp_datastates.layout import FileLayout, build_template
+from dcp_datastates.format.layout import FileLayout, build_template
 
 
 def test_crc32c_known_vectors() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-import dcp_datastates.checkpoints as ck
+import dcp_datastates.lifecycle.checkpoints as ck
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"

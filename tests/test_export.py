@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from dcp_datastates import DataStatesWriter
 from dcp_datastates.cli import main
-from dcp_datastates.export import ExportError, export_checkpoint
+from dcp_datastates.format.export import ExportError, export_checkpoint
 
 CLI_TIMEOUT_S = 60
 
@@ -166,7 +166,7 @@ def test_damaged_inputs_fail_naming_the_tensor(
     assert code == 2 and "--dtype" in err
     # A damaged torch.save archive header: exit 1, naming the tensor; nothing left behind.
     files = sorted(p for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".distcp")
-    from dcp_datastates.manifest import RankManifest
+    from dcp_datastates.format.manifest import RankManifest
 
     man = RankManifest.from_json((tmp_path / "ckpt" / "__datastates_manifest_0.json").read_text())
     item = next(it for it in man.items if it.fqn == "b")
@@ -200,7 +200,7 @@ def test_unexportable_dtype_names_the_key(
 _MEASURE = textwrap.dedent(
     """
     import sys, torch
-    from dcp_datastates.export import export_checkpoint
+    from dcp_datastates.format.export import export_checkpoint
 
     def status(field):
         for line in open("/proc/self/status"):
@@ -239,7 +239,7 @@ def test_memory_bounded_by_the_buffer(tmp_path: Path) -> None:
 
 
 def _flip_payload(ckpt: Path, fqn: str, at: int) -> None:
-    from dcp_datastates.manifest import RankManifest
+    from dcp_datastates.format.manifest import RankManifest
 
     man = RankManifest.from_json((ckpt / "__datastates_manifest_0.json").read_text())
     item = next(it for it in man.items if it.fqn == fqn)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint._extension import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dcp_datastates import DataStatesWriter, verify_checkpoint
-from dcp_datastates.reader import DataStatesReader
+from dcp_datastates.restore.reader import DataStatesReader
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

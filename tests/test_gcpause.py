@@ -1,4 +1,4 @@
-"""The collector pause around per-item bookkeeping (dcp_datastates.gcpause): it nests, it
+"""The collector pause around per-item bookkeeping (dcp_datastates.runtime.gcpause): it nests, it
 never re-enables a collector the program disabled, and a failing save leaves it as it was."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesWriter, gcpause
-from dcp_datastates.gcpause import ProtocolPause, gc_paused
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.runtime import gcpause
+from dcp_datastates.runtime.gcpause import ProtocolPause, gc_paused
 
 
 def _no_pause_in_progress() -> None:

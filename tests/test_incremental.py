@@ -23,8 +23,8 @@ from conftest import results_gather_lost
 from dist_utils import run_ranks
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.checkpoints import RetentionPolicy, cleanup_incomplete, prune
-from dcp_datastates.verify import verify_checkpoint
+from dcp_datastates.format.verify import verify_checkpoint
+from dcp_datastates.lifecycle.checkpoints import RetentionPolicy, cleanup_incomplete, prune
 
 TIMEOUT_S = 60
 
@@ -298,7 +298,7 @@ def test_owner_locked_by_a_deletion_means_a_full_write(
 ):
     # A prune or overwrite holds the owner's exclusive lock while it deletes: a save that
     # referenced it at the call cannot wait for it, so it writes those tensors from the source.
-    from dcp_datastates import commit, refs
+    from dcp_datastates.format import commit, refs
 
     monkeypatch.setattr(refs, "_LOCK_WAIT_S", 0.2)
     model, opt = _make()
@@ -398,7 +398,7 @@ def test_a_save_dcp_abandons_after_its_results_releases_the_owners(
     # results fails), the failed save's release lets the owners go: they can be deleted.
     import time
 
-    from dcp_datastates import commit
+    from dcp_datastates.format import commit
 
     model, opt = _make()
     _train(model, opt)

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 import dcp_datastates
 from dcp_datastates import IntegrityError, verify_checkpoint
 from dcp_datastates.cli import main
-from dcp_datastates.manifest import RankManifest
+from dcp_datastates.format.manifest import RankManifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -321,7 +321,7 @@ def test_running_from_a_source_tree_fails_clearly(tmp_path: Path) -> None:
 
 
 def test_load_metadata_roundtrip_of_a_real_checkpoint(tmp_path: Path, writer_factory: Any) -> None:
-    from dcp_datastates.verify import load_metadata
+    from dcp_datastates.format.verify import load_metadata
 
     ck = tmp_path / "ck"
     _save(ck, writer_factory)

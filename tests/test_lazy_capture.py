@@ -344,7 +344,7 @@ def test_device_snapshot_falls_back_to_host_memory_when_the_device_is_full(
     """A device tensor no optimizer owns is cloned on its device at the call; with no device
     memory left for the clone, it is copied to host memory instead (warned once), never an
     error that stops training. (tests/test_gpu.py runs this against a full GPU.)"""
-    from dcp_datastates import capture
+    from dcp_datastates.save import capture
 
     def no_memory(t: torch.Tensor) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -353,7 +353,7 @@ def test_device_snapshot_falls_back_to_host_memory_when_the_device_is_full(
     w: DataStatesWriter = writer_factory()
     stager = w._stager
     src = torch.randn(6, 5).t()  # a view: the snapshot must be compact
-    with captured_logs("dcp_datastates.capture") as records:
+    with captured_logs("dcp_datastates.save.capture") as records:
         a = stager._device_snapshot(src, "model.w")
         b = stager._device_snapshot(src, "model.v")
     assert a.is_contiguous() and a.device.type == "cpu" and torch.equal(a, src)

@@ -1,8 +1,8 @@
 """A busy machine: lazy copies would starve under SCHED_IDLE, so the call copies instead, and a
 step barrier raises the copy threads to normal priority while it waits.
 
-The policy reads the machine's CPU counters (dcp_datastates.cpuload); here a meter reporting a
-chosen load stands in for them (conftest's ``quiet_machine`` pins every other test to a quiet
+The policy reads the machine's CPU counters (dcp_datastates.runtime.cpuload); here a meter reporting
+a chosen load stands in for them (conftest's ``quiet_machine`` pins every other test to a quiet
 one), and the meter itself is checked against a real busy process.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, zeros_like_state
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.cpuload import CpuLoad, CpuMeter
+from dcp_datastates.runtime.cpuload import CpuLoad, CpuMeter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, in_thread, zeros_like_state
 
-from dcp_datastates import DataStatesWriter, barrier
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.save import barrier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -104,7 +105,7 @@ def test_a_save_failed_before_its_thread_started_ends_instead_of_hanging(
     # A race CI hit: the step barrier failed the staged job before DCP's save thread first
     # iterated the staged dict. That thread then found no job of its own and waited, in
     # set_up_storage_writer, for every staged save -- its own included -- forever.
-    from dcp_datastates import jobs
+    from dcp_datastates.save import jobs
 
     failed = threading.Event()
     real_items = jobs.StagedStateDict.items
@@ -135,7 +136,7 @@ def test_a_failed_save_keeps_nothing_alive(tmp_path: Any, writer_factory: Any) -
     # save kept its records, staged dict and error forever.
     import gc
 
-    from dcp_datastates.capture import CapturedTensor
+    from dcp_datastates.save.capture import CapturedTensor
 
     w: DataStatesWriter = writer_factory(capture="owned")
     _model, fut = _save_then_change_outside_step(w, str(tmp_path / "c"), key="leakprobe")

@@ -1,4 +1,4 @@
-"""Local plans share equal sizes (dcp_datastates.planner.share_equal_values).
+"""Local plans share equal sizes (dcp_datastates.save.planner.share_equal_values).
 
 DCP pickles plans through its collectives and the global metadata into ``.metadata``; items of one
 shape sharing one ``torch.Size`` object are written once. Nothing else may change: the plan
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.planner import share_equal_values
+from dcp_datastates.save.planner import share_equal_values
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -115,7 +115,7 @@ def test_share_metadata_values_leaves_other_values_alone() -> None:
         TensorStorageMetadata,
     )
 
-    from dcp_datastates.planner import share_metadata_values
+    from dcp_datastates.save.planner import share_metadata_values
 
     class Props(TensorProperties):  # a subclass: not merged with the plain ones
         pass

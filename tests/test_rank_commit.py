@@ -46,8 +46,8 @@ def _load_and_check(ckpt: str, sd: dict[str, Any], pg: Any) -> None:
 def _instrument(w: Any, events: dict[str, float]) -> None:
     """Records when write_data returned (and whether it handed its results over early), when
     this rank reported, and when the commit happened."""
-    import dcp_datastates.rank_commit as rank_commit
-    from dcp_datastates.commit import CheckpointDir
+    import dcp_datastates.save.rank_commit as rank_commit
+    from dcp_datastates.format.commit import CheckpointDir
 
     real_write, real_report, real_commit = w.write_data, rank_commit.report, CheckpointDir.commit
 
@@ -104,7 +104,7 @@ def test_other_ranks_hand_over_early_and_the_commit_waits_for_their_data(tmp_pat
 
 
 def _failing_body(rank: int, world: int, root: str, how: str) -> list[str]:
-    import dcp_datastates.rank_commit as rank_commit
+    import dcp_datastates.save.rank_commit as rank_commit
     from dcp_datastates import DataStatesWriter
 
     sd = _state(rank)
@@ -220,7 +220,7 @@ def test_a_fork_and_a_dropped_writer_during_the_hand_over_lose_nothing(tmp_path:
 
 
 def test_wait_for_ranks_returns_once_every_report_arrived_and_deletes_the_keys() -> None:
-    from dcp_datastates import rank_commit
+    from dcp_datastates.save import rank_commit
 
     kv = dist.HashStore()
     ranks = {1: "aaa", 2: "bbb", 3: "ccc"}
@@ -240,7 +240,7 @@ def test_wait_for_ranks_returns_once_every_report_arrived_and_deletes_the_keys()
 
 
 def test_wait_for_ranks_names_the_failed_rank_and_its_error() -> None:
-    from dcp_datastates import rank_commit
+    from dcp_datastates.save import rank_commit
 
     kv = dist.HashStore()
     rank_commit.report(kv, 1, "aaa", None)
@@ -251,7 +251,7 @@ def test_wait_for_ranks_names_the_failed_rank_and_its_error() -> None:
 
 
 def test_wait_for_ranks_times_out_naming_the_silent_ranks_and_ignores_other_saves() -> None:
-    from dcp_datastates import rank_commit
+    from dcp_datastates.save import rank_commit
 
     kv = dist.HashStore()
     rank_commit.report(kv, 1, "aaa", None)
@@ -263,13 +263,13 @@ def test_wait_for_ranks_times_out_naming_the_silent_ranks_and_ignores_other_save
 
 
 def test_a_report_that_cannot_be_sent_does_not_raise() -> None:
-    from dcp_datastates import rank_commit
+    from dcp_datastates.save import rank_commit
 
     class Broken:
         def set(self, key: str, value: str) -> None:
             raise RuntimeError("connection reset by peer")
 
-    with captured_logs("dcp_datastates.rank_commit") as logs:
+    with captured_logs("dcp_datastates.save.rank_commit") as logs:
         rank_commit.report(Broken(), 3, "xyz", None)
     assert any("rank 3 cannot report" in r.getMessage() for r in logs)
 
@@ -281,8 +281,8 @@ def test_results_handed_over_early_travel_with_their_rank_and_save_id() -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from dcp_datastates.rank_commit import AwaitedResults, awaited_ranks
-    from dcp_datastates.wire import CompactWriteResults
+    from dcp_datastates.save.rank_commit import AwaitedResults, awaited_ranks
+    from dcp_datastates.save.wire import CompactWriteResults
 
     wr = WriteResult(index=MetadataIndex("a", torch.Size([0])), size_in_bytes=4,
                      storage_data=_StorageInfo("__1_0.distcp", 0, 4))

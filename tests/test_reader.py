@@ -15,7 +15,7 @@ from conftest import assert_state_equal, in_thread, zeros_like_state
 from dist_utils import run_ranks
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, IntegrityError
-from dcp_datastates.manifest import RankManifest
+from dcp_datastates.format.manifest import RankManifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -23,9 +23,10 @@ import torch.distributed.checkpoint as dcp
 from conftest import in_thread
 
 import dcp_datastates
-from dcp_datastates import DataStatesReader, DataStatesWriter, IntegrityError, layout
-from dcp_datastates.refcheck import check_references
-from dcp_datastates.verify import verify_checkpoint
+from dcp_datastates import DataStatesReader, DataStatesWriter, IntegrityError
+from dcp_datastates.format import layout
+from dcp_datastates.format.refcheck import check_references
+from dcp_datastates.format.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -212,7 +213,7 @@ def test_the_save_id_is_found_in_metadata_without_unpickling(protocol: int) -> N
 
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    from dcp_datastates.refcheck import _records_one_of, _save_id_of
+    from dcp_datastates.format.refcheck import _records_one_of, _save_id_of
 
     ours, other = "0123456789abcdef" * 2, "fedcba9876543210" * 2
     near = "0123456789abcdef" + "0" * 16

@@ -1,4 +1,4 @@
-"""Deferred release of async_save results (dcp_datastates.release): the caller's drop of a
+"""Deferred release of async_save results (dcp_datastates.save.release): the caller's drop of a
 future frees nothing, a later save thread takes the Metadata apart, and nothing a caller still
 references (the result, one of its dictionaries, a weak reference) is ever touched."""
 
@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesWriter, release
-from dcp_datastates.release import DeferredRelease
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.save import release
+from dcp_datastates.save.release import DeferredRelease
 
 
 class Result:

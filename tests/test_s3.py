@@ -34,10 +34,11 @@ from s3_server import (  # noqa: F401 - fixtures
 )
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from dcp_datastates import DataStatesWriter, cli, remote
-from dcp_datastates.checkpoints import RetentionPolicy
-from dcp_datastates.s3 import MultipartUpload, RequestBounds, open_fs
-from dcp_datastates.verify import verify_checkpoint
+from dcp_datastates import DataStatesWriter, cli
+from dcp_datastates.format.verify import verify_checkpoint
+from dcp_datastates.lifecycle import remote
+from dcp_datastates.lifecycle.checkpoints import RetentionPolicy
+from dcp_datastates.storage.s3 import MultipartUpload, RequestBounds, open_fs
 
 MiB = 1024**2
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 import dcp_datastates
 from dcp_datastates import DataStatesWriter, verify_checkpoint
-from dcp_datastates.safetensors_format import SHARD_FILE_RE
+from dcp_datastates.format.safetensors import SHARD_FILE_RE
 
 
 def all_dtypes_state() -> dict[str, Any]:

@@ -17,7 +17,7 @@ from conftest import assert_state_equal, in_thread, zeros_like_state
 from dcp_datastates import CheckpointSaveError, DataStatesReader, DataStatesWriter
 from dcp_datastates.config import WriterConfig
 from dcp_datastates.engine import Engine
-from dcp_datastates.manifest import ItemRecord, RankManifest, encode_manifest
+from dcp_datastates.format.manifest import ItemRecord, RankManifest, encode_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -198,7 +198,7 @@ def test_a_finished_save_keeps_no_per_tensor_objects(tmp_path: Any) -> None:
     # 20,000 tensors).
     import gc
 
-    from dcp_datastates.capture import CapturedTensor
+    from dcp_datastates.save.capture import CapturedTensor
 
     sd = {"keepalive_probe": {f"t{i}": torch.randn(4) for i in range(2000)}}
     w = DataStatesWriter(str(tmp_path), host_cache_size="64MiB")
@@ -273,7 +273,7 @@ def test_manifest_items_parse_as_the_checked_parser_does(
 ) -> None:
     """Well-formed items take an inline check; whatever it does not accept goes through the
     checked parser, whose error names what is malformed: the two accept the same items."""
-    from dcp_datastates.manifest import _item, _item_checked
+    from dcp_datastates.format.manifest import _item, _item_checked
 
     item = {**_GOOD_ITEM, **change}
     if change.get("file", "") is None:

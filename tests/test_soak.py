@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dcp_datastates import DataStatesWriter, verify_checkpoint
-from dcp_datastates.checkpoints import RetentionPolicy, list_checkpoints, prune
+from dcp_datastates.lifecycle.checkpoints import RetentionPolicy, list_checkpoints, prune
 
 pytestmark = [
     pytest.mark.slow,

@@ -34,8 +34,9 @@ from s3_server import (  # noqa: F401 - fixtures
 )
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from dcp_datastates import DataStatesWriter, PersistError, remote, resume_path
-from dcp_datastates.checkpoints import (
+from dcp_datastates import DataStatesWriter, PersistError, resume_path
+from dcp_datastates.lifecycle import remote
+from dcp_datastates.lifecycle.checkpoints import (
     INCOMPLETE_MARKER,
     METADATA_FILE,
     RetentionPolicy,
@@ -111,7 +112,7 @@ def test_local_slow_tier_commit_latest_and_resume(fast: Path, tmp_path: Path) ->
 def test_s3_slow_tier_metadata_last_and_stock_load(fast: Path, s3: S3Bucket) -> None:
     sd = state(7)
     url = s3.url("run")
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     calls: list[str] = []
     orig_copy = tiers._Slow.copy_file
@@ -156,7 +157,7 @@ def test_slow_tier_failure_is_reported_and_the_fast_checkpoint_survives(
     fast: Path, s3: S3Bucket
 ) -> None:
     log = _Records()
-    logging.getLogger("dcp_datastates.tiers").addHandler(log)
+    logging.getLogger("dcp_datastates.lifecycle.tiers").addHandler(log)
     sd = state(3)
     url = s3.url("run")
     with DataStatesWriter(
@@ -167,7 +168,7 @@ def test_slow_tier_failure_is_reported_and_the_fast_checkpoint_survives(
         fut.result(HANG_S)  # the fast save itself succeeds
         with pytest.raises(PersistError, match="step-1"):
             w.wait_persisted(timeout=HANG_S)
-        logging.getLogger("dcp_datastates.tiers").removeHandler(log)
+        logging.getLogger("dcp_datastates.lifecycle.tiers").removeHandler(log)
         assert any("step-1" in m for m in log.messages)
         assert w.unpersisted() == [str(fast / "step-1")]
         assert w.wait_persisted(timeout=HANG_S)  # reported once
@@ -189,7 +190,7 @@ def test_slow_tier_failure_is_reported_and_the_fast_checkpoint_survives(
 def test_a_partial_slow_copy_never_looks_complete(
     fast: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     slow = tmp_path / "slow"
     orig = tiers._Slow.copy_file
@@ -318,7 +319,7 @@ def test_ranks_writing_the_same_marker_at_once_do_not_collide(tmp_path: Path) ->
     # rename found the file gone (a flaky FileNotFoundError in the 2-rank test).
     import threading
 
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     slow = tiers._Slow(str(tmp_path), None, durable=False)
     slow.makedirs("step-1")
@@ -386,7 +387,7 @@ def test_retention_per_tier(fast: Path, tmp_path: Path) -> None:
 def test_fast_retention_keeps_a_checkpoint_whose_copy_failed(
     fast: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     slow = tmp_path / "slow"
     orig = tiers._Slow.copy_file
@@ -430,8 +431,8 @@ def test_fast_retention_of_a_rank_with_a_node_local_tier(fast: Path, tmp_path: P
     # only once the checkpoint is complete on the persistent tier, or gone from there while a
     # newer one is complete (the persistent tier's retention dropped it); never a copy whose
     # persistent counterpart is partial (a promotion that failed on rank 0).
-    from dcp_datastates import tiers
-    from dcp_datastates.commit import manifest_name
+    from dcp_datastates.format.commit import manifest_name
+    from dcp_datastates.lifecycle import tiers
 
     slow = tmp_path / "slow"
     for step in range(5):
@@ -466,7 +467,7 @@ def test_two_writers_promoting_into_one_persistent_name(
     # save "step-1": the second copy would mix its files with the first's under one .metadata.
     import threading
 
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     slow = tmp_path / "slow"
     fa, fb = fast / "a", fast / "b"
@@ -551,8 +552,8 @@ def test_fast_retention_keeps_a_checkpoint_never_persisted(fast: Path, tmp_path:
 def test_fast_retention_skips_a_checkpoint_being_saved_again(fast: Path, tmp_path: Path) -> None:
     # A save of an older name in this process (claimed, committed, not yet queued for its
     # promotion) is not deleted on the strength of the promotion of its previous contents.
-    from dcp_datastates import tiers
-    from dcp_datastates.commit import claim_path, release_path
+    from dcp_datastates.format.commit import claim_path, release_path
+    from dcp_datastates.lifecycle import tiers
 
     slow = tmp_path / "slow"
     for step in (1, 2, 3):
@@ -623,7 +624,7 @@ def test_a_copy_past_persist_timeout_aborts_its_upload(
     # multipart upload is aborted (no stored parts), the persistent copy stays partial.
     import s3fs
 
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     monkeypatch.setattr(tiers, "_S3_PART_BYTES", 5 * 1024**2, raising=False)
     orig = s3fs.S3FileSystem._call_s3
@@ -657,7 +658,7 @@ def test_saving_again_while_its_copy_runs_supersedes_the_copy(
     # The same checkpoint id saved again and again while its copy to the persistent tier runs:
     # every save succeeds (the writer's own copy is not "another process"), the old copy stops,
     # and both tiers end with the last save's contents.
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     slow = tmp_path / "slow"
     orig = tiers._Slow.copy_file
@@ -694,7 +695,7 @@ def test_a_superseded_s3_copy_aborts_its_upload(
 ) -> None:
     import s3fs
 
-    from dcp_datastates import tiers
+    from dcp_datastates.lifecycle import tiers
 
     monkeypatch.setattr(tiers, "_S3_PART_BYTES", 5 * 1024**2, raising=False)
     orig = s3fs.S3FileSystem._call_s3

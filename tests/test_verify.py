@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
 from dcp_datastates import IntegrityError, verify_checkpoint
-from dcp_datastates.manifest import RankManifest
+from dcp_datastates.format.manifest import RankManifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -1,4 +1,4 @@
-"""The compact wire form of plans and write results (dcp_datastates.wire).
+"""The compact wire form of plans and write results (dcp_datastates.save.wire).
 
 What DCP's collectives pickle must come back exactly as the default pickle would give it: the
 same classes, the same attributes (the index hint too, which ``==`` ignores), fresh objects with
@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_datastates.planner import share_equal_values
-from dcp_datastates.wire import CompactSavePlan, CompactWriteResults, compact_plan
+from dcp_datastates.save.planner import share_equal_values
+from dcp_datastates.save.wire import CompactSavePlan, CompactWriteResults, compact_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -59,7 +59,7 @@ from typing import Any
 import torch.distributed.checkpoint as dist_cp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_datastates.integrations.config import writer_kwargs
+from .config import writer_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def enable(config: Mapping[str, Any] | None = None, **kwargs: Any) -> Handle:
         ImportError: Accelerate is not installed.
     """
     global _active
-    from dcp_datastates.writer import DataStatesWriter
+    from ..save.writer import DataStatesWriter
 
     opts = dict(writer_kwargs(config, where="accelerate.enable config"))
     for key, value in writer_kwargs(kwargs, where="accelerate.enable").items():

@@ -22,7 +22,7 @@ DATASTATES_KEYS: dict[str, str] = {
 
 
 def _writer_parameters() -> set[str]:
-    from dcp_datastates.writer import DataStatesWriter
+    from ..save.writer import DataStatesWriter
 
     params = inspect.signature(DataStatesWriter.__init__).parameters
     return {name for name in params if name not in ("self", "path")}
@@ -62,6 +62,6 @@ def writer_from_config(
     path: str, config: Mapping[str, Any] | None, *, where: str = "config"
 ) -> Any:
     """Creates a :class:`~dcp_datastates.DataStatesWriter` for ``path`` from a config mapping."""
-    from dcp_datastates.writer import DataStatesWriter
+    from ..save.writer import DataStatesWriter
 
     return DataStatesWriter(path, **writer_kwargs(config, where=where))

@@ -38,7 +38,7 @@ DataStates-LLM is being bypassed). :func:`disable` restores DeepSpeed's function
   :meth:`~DataStatesCheckpointEngine.commit` there, before the optimizer step (this engine is
   *decoupled*), and the commit waits until every tensor is in the host cache (not for disk).
   The pipeline engine skips that call; the process-wide optimizer step pre-hook of
-  :mod:`dcp_datastates.barrier` makes DeepSpeed's inner torch optimizer wait instead;
+  :mod:`dcp_datastates.save.barrier` makes DeepSpeed's inner torch optimizer wait instead;
 * a committer thread waits until the files are durable (fdatasync), renames them into place,
   and, for saves with ``save_latest``, rank 0 writes ``latest`` (atomically) once **every**
   rank's files of that tag are durable. The ranks agree over a gloo group made for this when
@@ -86,13 +86,13 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from dcp_datastates import barrier
-from dcp_datastates.capture import SaveJob, Stager, raise_if_modified
-from dcp_datastates.commit import fsync_dir
-from dcp_datastates.errors import CheckpointSaveError
-from dcp_datastates.integrations.config import writer_kwargs
-from dcp_datastates.integrations.torch_archive import ArchivePlan, plan_archive
-from dcp_datastates.writer import DataStatesWriter, _spill_dirs
+from ..errors import CheckpointSaveError
+from ..format.commit import fsync_dir
+from ..save import barrier
+from ..save.capture import SaveJob, Stager, raise_if_modified
+from ..save.writer import DataStatesWriter, _spill_dirs
+from .config import writer_kwargs
+from .torch_archive import ArchivePlan, plan_archive
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return True
 
     def _step_barrier(self, optimizer: torch.optim.Optimizer) -> None:
-        """Runs before every torch optimizer step (dcp_datastates.barrier): the tag being saved
+        """Runs before every torch optimizer step (dcp_datastates.save.barrier): the tag being saved
         is complete (save_checkpoint returned); its copies of this optimizer's tensors must be
         in the cache before the step changes them. Covers the pipeline engine, which never
         calls commit()."""

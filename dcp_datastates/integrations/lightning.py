@@ -18,7 +18,7 @@ What is guaranteed (``tests/test_integration_lightning.py``):
 
 * A save call returns once the state is registered with the writer (milliseconds); parameters
   and optimizer state are copied in the background, and the global optimizer step pre-hook
-  (:mod:`dcp_datastates.barrier`, installed when ``dcp_datastates`` is imported) makes the next
+  (:mod:`dcp_datastates.save.barrier`, installed when ``dcp_datastates`` is imported) makes the next
   ``optimizer.step()`` of Lightning's torch optimizer wait for those copies. Each checkpoint
   holds the state at the save call, bit for bit; a resumed ``Trainer`` continues exactly.
 * :class:`DataStatesCheckpointIO` writes each checkpoint path (``epoch=0-step=4.ckpt``) as a DCP
@@ -63,9 +63,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from dcp_datastates.errors import CheckpointSaveError
-from dcp_datastates.integrations.config import writer_kwargs
-from dcp_datastates.integrations.pack import MapLocation, load_packed, pack
+from ..errors import CheckpointSaveError
+from .config import writer_kwargs
+from .pack import MapLocation, load_packed, pack
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class DataStatesCheckpointIO(CheckpointIO):
     def writer(self) -> Any:
         """The DataStatesWriter, created on first use in this process and reused by every save."""
         if self._writer is None or self._writer.closed:
-            from dcp_datastates.writer import DataStatesWriter
+            from ..save.writer import DataStatesWriter
 
             self._writer = DataStatesWriter("", **self._writer_kwargs)
         return self._writer
@@ -303,7 +303,7 @@ class DataStatesModelParallelStrategy(ModelParallelStrategy):
     def writer(self) -> Any:
         """The DataStatesWriter of this process (created at the first save)."""
         if self._writer is None or self._writer.closed:
-            from dcp_datastates.writer import DataStatesWriter
+            from ..save.writer import DataStatesWriter
 
             self._writer = DataStatesWriter("", **self._writer_kwargs)
         return self._writer

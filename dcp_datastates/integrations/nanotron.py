@@ -52,9 +52,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates.integrations.config import writer_kwargs
-from dcp_datastates.integrations.pack import load_packed, pack
-from dcp_datastates.writer import DataStatesWriter
+from ..save.writer import DataStatesWriter
+from .config import writer_kwargs
+from .pack import load_packed, pack
 
 logger = logging.getLogger(__name__)
 

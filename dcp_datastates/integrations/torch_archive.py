@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dcp_datastates.layout import _LOCAL_HEADER, _LOCAL_HEADER_SIG, _SparseFile
+from ..format.layout import _LOCAL_HEADER, _LOCAL_HEADER_SIG, _SparseFile
 
 #: torch.save's default pickle protocol.
 _PROTOCOL = 2

@@ -17,7 +17,7 @@ What changes against torchtitan's own manager (``torchtitan.components.checkpoin
   our writer as the stager, in a thread (DCP's ``PROCESS`` mode would have to pickle the writer;
   our host cache and copy threads live in this process). The call returns after the at-call
   snapshot; the optimizer's next ``step()`` waits only for the lazy copies of its own tensors
-  (the process-wide step barrier of :mod:`dcp_datastates.barrier`), so torchtitan's
+  (the process-wide step barrier of :mod:`dcp_datastates.save.barrier`), so torchtitan's
   ``maybe_wait_for_staging()`` has nothing left to wait for. One save stays in flight at a time,
   as in torchtitan (its ``maybe_wait_for_saving`` before the next save).
 * ``async_mode="disabled"`` saves with ``dcp.save`` through the same writer.
@@ -43,8 +43,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
-from dcp_datastates.integrations.config import writer_kwargs
-from dcp_datastates.writer import DataStatesWriter
+from ..save.writer import DataStatesWriter
+from .config import writer_kwargs
 
 __all__ = ["DataStatesCheckpointManager"]
 
