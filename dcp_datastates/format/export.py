@@ -50,13 +50,12 @@ import torch
 
 from .. import _core
 from ..errors import DataStatesError
-from ..restore.safetensors_reader import read_into
 from ..runtime.progress import Progress
 from .commit import MANIFEST_PREFIX, METADATA_FILE
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
 from .refs import is_reference_path, relative_path
-from .safetensors import SUFFIX, HeaderEntry, dtype_name, encode_header
+from .safetensors import SUFFIX, HeaderEntry, dtype_name, encode_header, read_into
 from .verify import load_metadata
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -26,20 +26,18 @@ Threads: :func:`write_safetensors` runs in the save thread of one save, like
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .manifest import ItemRecord
-
-if TYPE_CHECKING:
-    pass
 
 SUFFIX = ".safetensors"
 HEADER_LEN_BYTES = 8
@@ -190,6 +188,22 @@ def is_safetensors_checkpoint(metadata: Metadata) -> bool:
 # Verification (called by dcp_datastates.format.verify for items in safetensors files)
 
 
+def read_into(f: Any, offset: int, t: torch.Tensor, what: str) -> None:
+    """Fills the contiguous CPU tensor ``t`` with the bytes of ``f`` at ``offset``; raises
+    ValueError naming ``what`` if the file ends first."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return
+    view = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    f.seek(offset)
+    got = 0
+    while got < n:
+        k = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            raise ValueError(f"{what}: the file ends {n - got} bytes short of byte {offset + n}")
+        got += k
+
+
 def check_item(
     f: BinaryIO, size: int, it: ItemRecord, cache: dict[str, Any]
 ) -> list[str]:
@@ -242,5 +256,6 @@ __all__ = [
     "dtype_name",
     "encode_header",
     "is_safetensors_checkpoint",
+    "read_into",
     "shard_file_name",
 ]

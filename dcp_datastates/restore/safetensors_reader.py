@@ -11,9 +11,8 @@ Threads: a reader serves one ``dcp.load`` at a time, in its caller's thread.
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -25,27 +24,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
+from ..format.safetensors import SUFFIX, read_into
 from .reader import mark_modified
-
-if TYPE_CHECKING:
-    pass
-from ..format.safetensors import SUFFIX
-
-
-def read_into(f: Any, offset: int, t: torch.Tensor, what: str) -> None:
-    """Fills the contiguous CPU tensor ``t`` with the bytes of ``f`` at ``offset``; raises
-    ValueError naming ``what`` if the file ends first."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return
-    view = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-    f.seek(offset)
-    got = 0
-    while got < n:
-        k = f.readinto(view[got:])  # type: ignore[attr-defined]
-        if not k:
-            raise ValueError(f"{what}: the file ends {n - got} bytes short of byte {offset + n}")
-        got += k
 
 
 class SafetensorsCheckpointReader(FileSystemReader):
@@ -109,4 +89,4 @@ class SafetensorsCheckpointReader(FileSystemReader):
         return fut
 
 
-__all__ = ["SafetensorsCheckpointReader", "read_into"]
+__all__ = ["SafetensorsCheckpointReader"]

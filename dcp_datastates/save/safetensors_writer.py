@@ -33,6 +33,7 @@ from ..errors import CheckpointSaveError
 from ..format.commit import manifest_name
 from ..format.layout import data_file_name
 from ..format.manifest import ItemRecord, RankManifest
+from ..format.safetensors import HeaderEntry, dtype_name, encode_header, shard_file_name
 from ..storage.fsspec_sink import SinkItem, write_sequential
 from .capture import wait_written
 
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from .capture import CapturedTensor, SaveJob
     from .contexts import SaveContext
     from .placement import Placer
-from ..format.safetensors import HeaderEntry, dtype_name, encode_header, shard_file_name
 
 
 @dataclass
