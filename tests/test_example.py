@@ -381,7 +381,7 @@ def test_setup_env_rebuilds_only_when_the_sources_change(tmp_path: Path) -> None
     (fake.repo / "dcp_datastates" / "_core.cpython-311-x86_64-linux-gnu.so").write_bytes(b"x")
     assert fake.setup()[1] == []
 
-    for changed in ("dcp_datastates/writer.py", "CMakeLists.txt", "pyproject.toml"):
+    for changed in ("dcp_datastates/save/writer.py", "CMakeLists.txt", "pyproject.toml"):
         path = fake.repo / changed
         path.write_text(path.read_text() + "\n")
         assert _installs(fake.setup()[1]) == ["-m pip install -q ."], changed

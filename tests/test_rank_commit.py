@@ -2,7 +2,7 @@
 
 With several ranks an ``async_save``'s other ranks return their write results to DCP once every
 item is placed, and report through the process group's store once their data is durable
-(dcp_datastates/rank_commit.py). These tests check, on 2 gloo ranks, that the coordinator never
+(dcp_datastates/save/rank_commit.py). These tests check, on 2 gloo ranks, that the coordinator never
 commits before the other rank's report, that a rank whose flush fails after it handed its results
 over fails the save on every rank naming it (nothing committed, the writers keep working), that a
 rank that never reports is named by the timeout, and the store protocol on its own.

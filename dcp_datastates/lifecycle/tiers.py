@@ -31,7 +31,7 @@ full, a rank that never copied) fails that promotion only: it is logged with bot
 :meth:`Promoter.records`, raised once by ``wait_persisted()``, and the fast checkpoint stays
 complete and usable. Each promotion ends within ``timeout_s`` (``persist_timeout``) from its
 start: every slow-tier operation checks the deadline, remote ones are cut at it (and each S3
-request is bounded, :func:`dcp_datastates.s3.open_fs`), copies check it between buffers or
+request is bounded, :func:`dcp_datastates.storage.s3.open_fs`), copies check it between buffers or
 parts; past it the promotion fails and its multipart upload is aborted. Saving a checkpoint
 again supersedes this rank's promotions of its old contents (:meth:`Promoter.supersede`): the
 newest save wins on both tiers, a stopped copy stays partial on the slow tier until the new
@@ -192,7 +192,7 @@ class _Slow:
     Used by the promotion thread only. :meth:`begin` sets the deadline and the cancel event of
     the promotion under way: every operation checks both first, a remote one is cut at the
     deadline (fsspec's ``timeout``; on ``s3://`` each request is bounded besides,
-    :func:`dcp_datastates.s3.open_fs`), a copy checks them between buffers or parts.
+    :func:`dcp_datastates.storage.s3.open_fs`), a copy checks them between buffers or parts.
     """
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, durable: bool) -> None:

@@ -9,7 +9,7 @@ checkpoint never deadlocks (the chunk waited for is always the oldest one in the
 
 Where the bytes go (:func:`open_object`):
 
-* ``s3://`` (s3fs): a :class:`~dcp_datastates.s3.MultipartUpload`, parts of ``part_bytes``
+* ``s3://`` (s3fs): a :class:`~dcp_datastates.storage.s3.MultipartUpload`, parts of ``part_bytes``
   uploaded ``concurrency`` at a time, memory bounded by ``(concurrency + 1) * part_bytes``;
 * any other file system: the file object of ``fs.open(path, "wb")``.
 
