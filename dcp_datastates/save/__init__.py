@@ -4,7 +4,8 @@ In the order a save meets them: :mod:`.writer` (the DCP protocol, thin), :mod:`.
 state captured at the call: lazy, at-call or owned copies), :mod:`.barrier` (the optimizer-step
 barrier), :mod:`.contexts` and :mod:`.jobs` (per-thread save contexts, staged jobs and their
 failures), :mod:`.planner` and :mod:`.wire` (plans and results as DCP moves them between ranks),
-:mod:`.early` and :mod:`.placement` (items placed in data files, bytes flushed by the engine),
+:mod:`.early`, :mod:`.placement` and :mod:`.late_capture` (items placed in data files, bytes
+flushed by the engine), :mod:`.completion` (the wait until they are durable, the manifest),
 :mod:`.incremental`, :mod:`.extensions` and :mod:`.safetensors_writer` (the variants of
 placement), :mod:`.rank_commit` (durability reports of other ranks), :mod:`.release` and
 :mod:`.stats`. Nothing here is imported by :mod:`dcp_datastates.format`,

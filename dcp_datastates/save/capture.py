@@ -128,7 +128,7 @@ class SaveJob:
     early: Any = None  # its EarlyPlacement (dcp_datastates.save.early), placed before DCP planned
     no_room: Any = None  # room.NoRoom: early placement found no room beside the old checkpoint
     # The coordinator's async_save: write_data returned its results before the data was durable;
-    # finish() completes this placement.PendingWrite before the commit. None otherwise.
+    # finish() completes this completion.PendingWrite before the commit. None otherwise.
     pending_write: Any = None
     # Several ranks, a non-coordinator's async_save: the thread completing its write after
     # write_data returned (writer._complete_in_background); its release joins it.

@@ -8,6 +8,14 @@ in by this thread; other fsspec URLs are streamed by one sequential consumer
 (:mod:`dcp_datastates.storage.fsspec_sink`). Then it waits until everything is captured (checking
 that no lazily captured tensor changed) and durable, and writes the rank's manifest.
 
+``Placer._write`` runs these as named steps over one ``_Placement`` (the state of that save's
+placement): begin (the files, the layout), order the items, place the tensors, place the bytes
+items, write the spilled snapshots and seal, stream the non-local files. The wait and the manifest
+are the completion's (:mod:`dcp_datastates.save.completion`, which also holds
+:class:`PendingWrite`); items the staged state does not know are captured at placement
+(:mod:`dcp_datastates.save.late_capture`). The safetensors format and stream transforms have
+writers of their own (:mod:`.safetensors_writer`, :mod:`.extensions`).
+
 Threads and lifetimes: a Placer belongs to one writer and lives as long as it; it holds that
 writer's engine, template cache, stager and configuration, and no state of its own between saves.
 ``write`` runs in the save thread of one save; several saves may run it at once for different
@@ -19,16 +27,12 @@ from __future__ import annotations
 
 import collections
 import errno
-import itertools
-import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -37,67 +41,53 @@ from .. import _core
 from ..config import WriterConfig
 from ..engine import Engine
 from ..errors import CheckpointSaveError, reraisable
-from ..format.commit import check_claim, is_owned_name, manifest_name
-from ..format.layout import FileLayout, TemplateCache, data_file_name, save_tag
-from ..format.manifest import ItemRecord, encode_manifest
+from ..format.commit import is_owned_name
+from ..format.layout import ArchiveTemplate, FileLayout, TemplateCache, data_file_name, save_tag
+from ..format.manifest import ItemRecord
 from ..runtime.gcpause import gc_paused
 from ..storage import room
 from ..storage.fsspec_sink import SinkItem, write_sequential
+from . import late_capture
 from .barrier import default_world_size
-from .capture import CapturedTensor, SaveJob, Stager, wait_written
+from .capture import CapturedTensor, SaveJob, Stager
+from .completion import (
+    ChunkRecord,
+    PendingWrite,
+    Placed,
+    PlacedBytes,
+    PlacedWrite,
+    chunk_map,
+    manifest_items,
+)
 from .contexts import SaveContext
 from .early import EarlyPlacement, place_early
 from .extensions import write_transformed
 from .incremental import StageInfo, Tracker
 from .safetensors_writer import write_safetensors
 
-logger = logging.getLogger("dcp_datastates.save.writer")
 
+@dataclass(kw_only=True)
+class _Placement(PlacedWrite):
+    """One save's placement while :meth:`Placer._write` runs its steps: the
+    :class:`~dcp_datastates.save.completion.PlacedWrite` its completion keeps, built up by the
+    steps, and what only the placement uses (freed with it: :meth:`written`)."""
 
-class PendingWrite:
-    """The second half of :meth:`Placer.write_deferred`: the wait until one rank's data is
-    captured and durable, and its manifest. ``complete()`` runs once, in the save thread;
-    ``abandon()`` instead (any thread, idempotent) only releases what the save holds (its
-    callbacks from :meth:`on_end`)."""
+    layout: FileLayout  # the early placement's, continued, or a fresh one
+    file_ids: dict[int, int]  # layout file -> engine file id (opened on first use)
+    early_at: dict[int, tuple[int, int, int]]  # entry -> (file, start, payload), placed early
+    caps: dict[int, CapturedTensor | None] = field(default_factory=dict)  # id(item) -> record
+    sink: dict[int, list[SinkItem]] = field(
+        default_factory=lambda: collections.defaultdict(list)
+    )  # non-local files: what the sequential consumer writes, by layout file
+    spilled: list[tuple[CapturedTensor, int, int, int, ArchiveTemplate]] = field(
+        default_factory=list
+    )  # spilled snapshots in local files: (record, file, start, payload, template)
+    results: list[WriteResult] = field(default_factory=list)
+    added_late: bool = False  # tensors registered only now: their copies are still to start
 
-    def __init__(self, complete: Callable[[], None] | None) -> None:
-        self._complete = complete
-        self._on_end: list[Callable[[], None]] = []
-        self._ended = False
-        self._lock = threading.Lock()  # abandon() may come from a finalizer's thread
-
-    @property
-    def writes_manifest(self) -> bool:
-        """Whether ``complete()`` has work to do: wait for the data, write the manifest (the
-        safetensors format writes at placement and has neither)."""
-        return self._complete is not None
-
-    def on_end(self, fn: Callable[[], None]) -> None:
-        """Runs ``fn`` once this write is completed (or failed completing) or abandoned."""
-        self._on_end.append(fn)
-
-    def complete(self) -> None:
-        """Waits for the data and writes the manifest; raises on any failure."""
-        with self._lock:
-            complete, self._complete = self._complete, None
-            if self._ended:
-                raise RuntimeError("this write was completed or abandoned already")
-        try:
-            if complete is not None:
-                complete()
-        finally:
-            self.abandon()
-
-    def abandon(self) -> None:
-        """Lets go of what the write holds, without completing it (idempotent)."""
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-            self._complete = None
-            fns, self._on_end = self._on_end, []
-        for fn in fns:
-            fn()
+    def written(self) -> PlacedWrite:
+        """What the completion keeps of this placement (the same lists, not these extras)."""
+        return PlacedWrite(**{f.name: getattr(self, f.name) for f in fields(PlacedWrite)})
 
 
 class Placer:
@@ -277,15 +267,31 @@ class Placer:
         planner: SavePlanner,
         infos: list[StageInfo] | None,
     ) -> tuple[list[WriteResult], PendingWrite]:
+        """:meth:`write_deferred` of the torch format, step by step: begin the placement (its
+        files, its layout), order the items, place the tensors, then the bytes items, start
+        the copies of tensors registered only now, write the spilled snapshots and seal the
+        engine job, stream the non-local files; the PendingWrite completes what was placed
+        (:meth:`PlacedWrite.complete <dcp_datastates.save.completion.PlacedWrite.complete>`)."""
+        p = self._begin(ctx, job, infos)
+        with gc_paused():  # per-item bookkeeping only, no waits (runtime/gcpause.py)
+            tensors, byte_items = self._order(p, plan, planner)
+            self._place_tensors(p, tensors, planner)
+            self._place_bytes(p, byte_items, planner)
+        if p.added_late:
+            self._engine.start_copies(job.engine_job)
+        self._write_spilled(p)  # before seal: finalize syncs them too
+        self._engine.seal(job.engine_job)
+        self._stream(p)
+        return p.results, PendingWrite(p.written().complete)
+
+    def _begin(self, ctx: SaveContext, job: SaveJob, infos: list[StageInfo] | None) -> _Placement:
+        """The placement of one save, before any item: its directory (created), and the early
+        placement's layout and files continued (named now, under the claim, unless the removal
+        of the checkpoint being replaced is deferred), or a fresh layout."""
         d = ctx.directory()
         d.ensure_exists()
-        tag = self._file_tag(ctx)
-        rank = ctx.rank
-        eng = self._engine
         early: EarlyPlacement | None = job.early
-        copy_early = False  # the early files could not be linked: copied after the flush
-        # One rank, placed early: the checkpoint being replaced stays until this save's data is
-        # durable; every file of this save is unnamed until then (complete() names them).
+        copy_early = False
         deferred = early is not None and ctx.removal_deferred
         if early is not None:
             if early.rank != ctx.rank:  # set_up_storage_writer placed them for this context
@@ -295,7 +301,7 @@ class Placer:
                 )
             if not deferred:
                 # Under the claim, the overwritten checkpoint's files are gone: name ours.
-                copy_early = not early.matches(d) or not early.link(eng, job)
+                copy_early = not early.matches(d) or not early.link(self._engine, job)
             layout = early.layout
             file_ids: dict[int, int] = dict(early.file_ids)
             early_at = early.placed
@@ -305,121 +311,165 @@ class Placer:
                                 direct_min=_core.DIRECT_MIN_BYTES)
             file_ids = {}
             early_at = {}
-        staged_sd = getattr(planner, "state_dict", None)
-        sink: dict[int, list[SinkItem]] = collections.defaultdict(list)
-        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]] = []
-        results: list[WriteResult] = []
-        bytes_crcs: list[tuple[WriteItem, int, int, int, int]] = []
-        spilled: list[tuple[CapturedTensor, int, int, int, Any]] = []
-        added_late = False
-        referenced: list[tuple[StageInfo, ItemRecord]] = []  # incremental saves
+        return _Placement(
+            engine=self._engine, templates=self._templates, config=self.config,
+            incremental=self._incremental, ctx=ctx, job=job, d=d, tag=self._file_tag(ctx),
+            early=early, deferred=deferred, copy_early=copy_early, infos=infos,
+            layout=layout, file_ids=file_ids, early_at=early_at,
+        )
 
-        def fid(f: int) -> int:
-            if f not in file_ids:
-                name = d.join(data_file_name(rank, f, tag))
-                if deferred:  # unnamed too, beside the early ones (named in complete())
-                    assert early is not None
-                    file_ids[f] = eng.open_file(job.engine_job, name, early.anon_dir)
-                    early.adopt_fd(f, eng.dup_fd(job.engine_job, file_ids[f]))
-                else:
-                    file_ids[f] = eng.open_file(job.engine_job, name)
-            return file_ids[f]
-
+    def _order(
+        self, p: _Placement, plan: SavePlan, planner: SavePlanner
+    ) -> tuple[list[WriteItem], list[WriteItem]]:
+        """The tensor items in the order they are placed, each one's captured record looked up
+        (or, for ``dcp.save``, registered now) into ``p.caps``; and the bytes items, placed
+        after them (in plan order)."""
         # Tensor items in the order their bytes land: those copied at the save call first (they
         # are in the cache already), then the background copies in queue (entry) order; bytes
         # items last. A sequential consumer (the fsspec path) must never wait for a chunk that
         # cannot land because the cache is full of chunks it will only read later.
-        caps: dict[int, CapturedTensor | None] = {}  # id(item) -> its record, looked up once
+        job, caps = p.job, p.caps
+        tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        byte_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        if job.adhoc:  # dcp.save: nothing was staged; register every tensor in one batch
+            p.added_late = self.capture_late_many(job, plan.items, planner)
+            # Registered in plan order, all direct: that is the order.
+            keyed = job.by_staged_id
+            caps.update((id(i), keyed.get(id(i))) for i in tensors)
+            return tensors, byte_items
+        staged_sd = getattr(planner, "state_dict", None)
 
         def order(item: WriteItem) -> tuple[int, int, int]:
-            if item.type == WriteItemType.BYTE_IO:
-                return (2, 0, 0)
             cap = self.lookup(job, staged_sd, item)
-            caps[id(item)] = cap
+            caps[id(item)] = cap  # looked up once
             if cap is None:
                 return (1, 1, 0)
             return (0, 0 if cap.at_call else 1, cap.entry)
 
-        with gc_paused():  # per-item bookkeeping only, no waits (runtime/gcpause.py)
-            if job.adhoc:  # dcp.save: nothing was staged; register every tensor in one batch
-                added_late = self.capture_late_many(job, plan.items, planner)
-                # Registered in plan order, all direct: that is the order; bytes items last.
-                keyed = job.by_staged_id
-                tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-                caps.update((id(i), keyed.get(id(i))) for i in tensors)
-                ordered = tensors + [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        return sorted(tensors, key=order), byte_items
+
+    def _place_tensors(
+        self, p: _Placement, items: list[WriteItem], planner: SavePlanner
+    ) -> None:
+        """Places the tensor items, in order: a referenced one (incremental saves) stays where
+        it is (:meth:`_reference`); the others, captured now if the save had not, go where the
+        early placement put them, else at the next place of the layout, and are handed to what
+        writes them (:meth:`_send`)."""
+        caps, early_at, layout, rank, tag = p.caps, p.early_at, p.layout, p.ctx.rank, p.tag
+        for item in items:
+            cap = caps[id(item)]
+            if cap is not None and cap.incr is not None and cap.incr.ref is not None:
+                cap = self._reference(p, item, cap.incr)
+                if cap is None:  # unchanged: .metadata points at the owner's bytes
+                    continue
+            if cap is None:
+                cap = self.capture_late(p.job, item, planner)
+                p.added_late = True
+            self.check_planned_shape(p.ctx, item, cap)
+            tmpl = self._templates.get(cap.dtype, cap.shape)
+            pre = early_at.get(cap.entry) if early_at else None
+            if pre is not None:  # placed (and flushing) since set_up_storage_writer
+                f, start, payload = pre
             else:
-                ordered = sorted(plan.items, key=order)
-            for item in ordered:
-                if item.type == WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
-                    f, off = layout.place_bytes(len(raw))
-                    if d.local:
-                        eng.write_bytes(job.engine_job, fid(f), off, raw, item.index.fqn)
-                    else:
-                        sink[f].append(SinkItem(offset=off, data=raw))
-                    bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
-                    results.append(write_result(item, data_file_name(rank, f, tag), off, len(raw)))
-                    continue
-                cap = caps[id(item)]
-                if cap is not None and cap.incr is not None and cap.incr.ref is not None:
-                    assert self._incremental is not None
-                    hit = self._incremental.reference(ctx.rank, item, cap.incr)
-                    if hit is not None:  # unchanged: .metadata points at the owner's bytes
-                        rel, off, length, rec = hit
-                        referenced.append((cap.incr, rec))
-                        results.append(write_result(item, rel, off, length))
-                        continue
-                    cap = self.write_instead(job, item, cap.incr)  # owner unusable: write it
-                    added_late = True
-                if cap is None:
-                    cap = self.capture_late(job, item, planner)
-                    added_late = True
-                self.check_planned_shape(ctx, item, cap)
-                tmpl = self._templates.get(cap.dtype, cap.shape)
-                pre = early_at.get(cap.entry) if early_at else None
-                if pre is not None:  # placed (and flushing) since set_up_storage_writer
-                    f, start, payload = pre
-                    placed.append((item, cap, f, start, payload))
-                    results.append(
-                        write_result(item, data_file_name(rank, f, tag), start, tmpl.total_bytes)
-                    )
-                    continue
                 f, start, payload = layout.place_tensor(tmpl)
-                if cap.spill is not None and d.local:
-                    fid(f)  # the engine creates (and later syncs) the data file
-                    spilled.append((cap, f, start, payload, tmpl))
-                elif cap.spill is not None:
-                    sink[f].append(
-                        SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
-                                 suffix=tmpl.suffix, spill=cap.spill)
-                    )
-                elif d.local:
-                    eng.place(job.engine_job, cap.entry, fid(f), payload, tmpl.prefix, tmpl.suffix)
-                else:
-                    eng.place_external(job.engine_job, cap.entry)
-                    sink[f].append(
-                        SinkItem(
-                            offset=start,
-                            entry=cap.entry,
-                            prefix=tmpl.prefix,
-                            suffix=tmpl.suffix,
-                        )
-                    )
-                placed.append((item, cap, f, start, payload))
-                results.append(
-                    write_result(item, data_file_name(ctx.rank, f, tag), start, tmpl.total_bytes)
+                self._send(p, cap, tmpl, f, start, payload)
+            p.placed.append((item, cap, f, start, payload))
+            p.results.append(
+                write_result(item, data_file_name(rank, f, tag), start, tmpl.total_bytes)
+            )
+
+    def _reference(
+        self, p: _Placement, item: WriteItem, info: StageInfo
+    ) -> CapturedTensor | None:
+        """Incremental saves, a tensor referenced at the call: None if it is referenced (its
+        result points at the owner's bytes), else its record to write it from its source (the
+        owner cannot be used now)."""
+        assert self._incremental is not None
+        hit = self._incremental.reference(p.ctx.rank, item, info)
+        if hit is not None:  # unchanged: .metadata points at the owner's bytes
+            rel, off, length, rec = hit
+            p.referenced.append((info, rec))
+            p.results.append(write_result(item, rel, off, length))
+            return None
+        cap = self.write_instead(p.job, item, info)  # owner unusable: write it
+        p.added_late = True
+        return cap
+
+    def _send(
+        self, p: _Placement, cap: CapturedTensor, tmpl: ArchiveTemplate, f: int, start: int,
+        payload: int,
+    ) -> None:
+        """Hands a tensor placed in file ``f`` to what writes it: the engine's flush threads
+        (local files), this thread after the placement (a spilled snapshot in a local file,
+        :meth:`_write_spilled`), or the sequential consumer of a non-local file
+        (:meth:`_stream`)."""
+        eng, job = self._engine, p.job
+        if cap.spill is not None and p.d.local:
+            self._file_id(p, f)  # the engine creates (and later syncs) the data file
+            p.spilled.append((cap, f, start, payload, tmpl))
+        elif cap.spill is not None:
+            p.sink[f].append(
+                SinkItem(offset=start, entry=cap.entry, prefix=tmpl.prefix,
+                         suffix=tmpl.suffix, spill=cap.spill)
+            )
+        elif p.d.local:
+            eng.place(job.engine_job, cap.entry, self._file_id(p, f), payload, tmpl.prefix,
+                      tmpl.suffix)
+        else:
+            eng.place_external(job.engine_job, cap.entry)
+            p.sink[f].append(
+                SinkItem(
+                    offset=start,
+                    entry=cap.entry,
+                    prefix=tmpl.prefix,
+                    suffix=tmpl.suffix,
                 )
-        if added_late:
-            eng.start_copies(job.engine_job)
-        ext_records: list[tuple[int, int, int, int, int, int]] = []
-        unlinked_fds = early.fds if (copy_early or deferred) and early is not None else {}
-        for cap, f, start, payload, tmpl in spilled:  # before seal: finalize syncs them too
+            )
+
+    def _place_bytes(
+        self, p: _Placement, items: list[WriteItem], planner: SavePlanner
+    ) -> None:
+        """Places the bytes items after the tensors and writes them (the engine, for a local
+        file; the sequential consumer otherwise), each with its CRC-32C for the manifest."""
+        for item in items:
+            data = planner.resolve_data(item)
+            raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+            f, off = p.layout.place_bytes(len(raw))
+            if p.d.local:
+                self._engine.write_bytes(
+                    p.job.engine_job, self._file_id(p, f), off, raw, item.index.fqn
+                )
+            else:
+                p.sink[f].append(SinkItem(offset=off, data=raw))
+            p.bytes_crcs.append((item, f, off, len(raw), _core.crc32c(raw)))
+            p.results.append(
+                write_result(item, data_file_name(p.ctx.rank, f, p.tag), off, len(raw))
+            )
+
+    def _file_id(self, p: _Placement, f: int) -> int:
+        """The engine's id of data file ``f`` of this save, opened on first use."""
+        if f not in p.file_ids:
+            eng, job = self._engine, p.job
+            name = p.d.join(data_file_name(p.ctx.rank, f, p.tag))
+            if p.deferred:  # unnamed too, beside the early ones (named in complete())
+                assert p.early is not None
+                p.file_ids[f] = eng.open_file(job.engine_job, name, p.early.anon_dir)
+                p.early.adopt_fd(f, eng.dup_fd(job.engine_job, p.file_ids[f]))
+            else:
+                p.file_ids[f] = eng.open_file(job.engine_job, name)
+        return p.file_ids[f]
+
+    def _write_spilled(self, p: _Placement) -> None:
+        """Writes the spilled snapshots placed in local files (archive prefix, payload from the
+        spill file, suffix), recording their chunks."""
+        early = p.early
+        unlinked_fds = early.fds if (p.copy_early or p.deferred) and early is not None else {}
+        for cap, f, start, payload, tmpl in p.spilled:
             # Not linked (copied later): write into the unnamed file, through its descriptor.
             unnamed = unlinked_fds.get(f)
             fd = unnamed if unnamed is not None else os.open(
-                d.join(data_file_name(ctx.rank, f, tag)), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                p.d.join(data_file_name(p.ctx.rank, f, p.tag)),
+                os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
             )
             try:
                 os.pwrite(fd, tmpl.prefix, start)
@@ -429,67 +479,22 @@ class Placer:
             finally:
                 if unnamed is None:  # an unnamed file's descriptor is the early placement's
                     os.close(fd)
-            ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
-        eng.seal(job.engine_job)
+            p.ext_records.append((cap.entry, 0, f, payload, cap.nbytes, cap.spill.crc))
 
-        for f, items in sink.items():
+    def _stream(self, p: _Placement) -> None:
+        """Writes each non-local data file front to back through one sequential consumer
+        (:mod:`dcp_datastates.storage.fsspec_sink`), recording its chunks."""
+        for f, items in p.sink.items():
             for e, c, off, n, crc in write_sequential(
-                eng, job.engine_job, d.fs, d.join(data_file_name(ctx.rank, f, tag)), items,
+                self._engine, p.job.engine_job, p.d.fs,
+                p.d.join(data_file_name(p.ctx.rank, f, p.tag)), items,
                 part_bytes=self.config.part_bytes, concurrency=self.config.upload_concurrency,
             ):
-                ext_records.append((e, c, f, off, n, crc))
+                p.ext_records.append((e, c, f, off, n, crc))
 
-        def complete() -> None:
-            wait_written(eng, job, f"{ctx.path} (rank {ctx.rank})")
-            copy_now = copy_early
-            if deferred:
-                # This save's data is durable: only now does the checkpoint it replaces go
-                # (.metadata first), and its files get their names.
-                assert early is not None and ctx.path_key is not None
-                check_claim(ctx.path_key, d)  # removed meanwhile: not recreated here
-                d.prepare(self.config.durable)
-                ctx.removal_deferred = False
-                copy_now = not early.link_named(d)
-            if copy_now:
-                assert early is not None
-                early.copy_into(d, self.config.durable)
-            if infos:
-                Tracker.check_fallbacks(infos, f"{ctx.path} (rank {ctx.rank})")
-
-            with gc_paused():
-                chunks = self.chunk_map(job, ext_records)
-            recs = self.manifest_items(ctx, placed, bytes_crcs, chunks)
-            records: list[ItemRecord] | None = None
-            if self._incremental is not None:  # the records are kept for the tracker
-                with gc_paused():
-                    records = list(recs) + [rec for _, rec in referenced]
-            # Without references the records and their text are made while they are written.
-            text = encode_manifest(ctx.rank, self.config.checksums, ctx.save_id,
-                                   records if records is not None else recs)
-            d.write_atomic(manifest_name(ctx.rank), text, self.config.durable)
-            if self._incremental is not None:
-                assert records is not None
-                if d.local:
-                    written = [
-                        (cap.incr, rec)
-                        for (_i, cap, *_r), rec in zip(placed, records, strict=False)
-                        if cap.incr is not None
-                    ]
-                    self._incremental.record(d.path, ctx.rank, ctx.save_id, written, referenced)
-                else:
-                    self._incremental.forget()
-
-        return results, PendingWrite(complete)
-
-    @staticmethod
-    def check_planned_shape(ctx: SaveContext, item: WriteItem, cap: CapturedTensor) -> None:
-        """Raises if the planner's chunk of a tensor item differs from what was captured."""
-        sizes = item.tensor_data.chunk.sizes  # type: ignore[union-attr]
-        if sizes != cap.shape:  # torch.Size compares equal to the tuple of its ints
-            raise CheckpointSaveError(
-                f"save to {ctx.path}: '{item.index.fqn}' planned with shape {tuple(sizes)} but "
-                f"captured with shape {cap.shape}"
-            )
+    # The captured records of planned items, captured at placement if need be (late_capture).
+    check_planned_shape = staticmethod(late_capture.check_planned_shape)
+    lookup = staticmethod(late_capture.lookup)
 
     def captured_item(
         self, ctx: SaveContext, job: SaveJob, staged_sd: Any, item: WriteItem,
@@ -504,145 +509,37 @@ class Placer:
         self.check_planned_shape(ctx, item, cap)
         return cap, late
 
-    def lookup(
-        self, job: SaveJob, staged_sd: Any, item: WriteItem
-    ) -> CapturedTensor | None:
-        """The captured tensor of a tensor item: by the identity of its object in the staged
-        state dict, else by the item (captured late); None if it was never captured."""
-        if not isinstance(staged_sd, dict):
-            return job.by_staged_id.get(id(item))
-        obj = staged_sd.get(item.index.fqn)
-        cap = job.lookup(obj) if obj is not None else None
-        if cap is None:
-            cap = job.by_staged_id.get(id(item))  # captured late, keyed by the item
-        return cap
-
     def write_instead(self, job: SaveJob, item: WriteItem, info: StageInfo) -> CapturedTensor:
-        """Incremental saves: a tensor referenced at the call whose owner cannot be used now is
-        written from its source (checked unchanged afterwards, ``Tracker.check_fallbacks``)."""
-        info.fallback = True
-        cap = self._stager.stage_tensor(job, info.name, info.source)
-        job.rekey(cap, item)
-        cap.incr = info
-        return cap
+        """Writes a referenced tensor from its source after all (:mod:`.late_capture`)."""
+        return late_capture.write_instead(self._stager, job, item, info)
 
     def capture_late_many(
         self, job: SaveJob, items: list[WriteItem], planner: SavePlanner
     ) -> bool:
-        """:meth:`capture_late` for every tensor item of a ``dcp.save`` (one native call);
-        True if there was any."""
-        tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
-        sd = getattr(planner, "state_dict", None)
-        if isinstance(sd, dict) and _resolves_by_default(planner):
-            data = []
-            for item in tensor_items:
-                t = _plain_tensor(sd, item)
-                data.append(t if t is not None else _resolved_tensor(item, planner))
-        else:
-            data = [_resolved_tensor(item, planner) for item in tensor_items]
-        names = [item.index.fqn for item in tensor_items]
-        return self._stager.stage_tensors(job, names, data, tensor_items) > 0
+        """Captures every tensor item of a ``dcp.save`` (:mod:`.late_capture`)."""
+        return late_capture.capture_late_many(self._stager, job, items, planner)
 
     def capture_late(self, job: SaveJob, item: WriteItem, planner: SavePlanner) -> CapturedTensor:
-        """Captures an item the staged state does not know (dcp.save, or custom planners)."""
-        if not job.adhoc:
-            logger.warning(
-                "'%s' was not captured at save time (custom planner?); it is copied now, when "
-                "its data is written",
-                item.index.fqn,
-            )
-        cap = self._stager.stage_tensor(job, item.index.fqn, _resolved_tensor(item, planner))
-        job.rekey(cap, item)
-        return cap
+        """Captures an item the staged state does not know (:mod:`.late_capture`)."""
+        return late_capture.capture_late(self._stager, job, item, planner)
 
-    def chunk_map(
-        self, job: SaveJob, ext_records: list[tuple[int, int, int, int, int, int]]
-    ) -> dict[int, Any]:
-        """Entry -> its chunk record ``(file offset, bytes, crc)``, or a list of them when it has
-        several (most entries have one: no list per entry)."""
-        by_entry: dict[int, Any] = {}
-        recs = self._engine.chunk_records(job.engine_job)
-        flat = ((e, off, n, crc) for e, _c, _file, off, _eo, n, crc in recs)
-        ext = ((e, off, n, crc) for e, _c, _f, off, n, crc in ext_records)
-        for e, off, n, crc in itertools.chain(flat, ext):
-            prev = by_entry.get(e)
-            if prev is None:
-                by_entry[e] = (off, n, crc)  # the file is implied by the item's placement
-            elif isinstance(prev, tuple):
-                by_entry[e] = [prev, (off, n, crc)]
-            else:
-                prev.append((off, n, crc))
-        return by_entry
+    def chunk_map(self, job: SaveJob, ext_records: list[ChunkRecord]) -> dict[int, Any]:
+        """Entry -> its chunk record ``(file offset, bytes, crc)``, or a list of them
+        (:func:`dcp_datastates.save.completion.chunk_map`)."""
+        return chunk_map(self._engine, job, ext_records)
 
     def manifest_items(
         self,
         ctx: SaveContext,
-        placed: list[tuple[WriteItem, CapturedTensor, int, int, int]],
-        bytes_crcs: list[tuple[WriteItem, int, int, int, int]],
+        placed: list[Placed],
+        bytes_crcs: list[PlacedBytes],
         chunks: dict[int, Any],
     ) -> Iterator[ItemRecord]:
-        """This rank's manifest records, one at a time: every placed item with its chunk records
-        (offsets, CRCs), then the bytes items."""
-        tag = self._file_tag(ctx)
-        for item, cap, f, start, payload in placed:
-            tmpl = self._templates.get(cap.dtype, cap.shape)
-            got = chunks.get(cap.entry)
-            yield ItemRecord(
-                fqn=item.index.fqn,
-                offset=list(item.index.offset) if item.index.offset is not None else None,
-                file=data_file_name(ctx.rank, f, tag),
-                archive_offset=start,
-                archive_length=tmpl.total_bytes,
-                payload_offset=payload,
-                payload_bytes=cap.nbytes,
-                dtype=str(cap.dtype).replace("torch.", ""),
-                shape=list(cap.shape),
-                chunks=[] if got is None else [got] if isinstance(got, tuple) else sorted(got),
-            )
-        for item, f, off, n, crc in bytes_crcs:
-            yield ItemRecord(
-                fqn=item.index.fqn,
-                offset=None,
-                file=data_file_name(ctx.rank, f, tag),
-                archive_offset=off,
-                archive_length=n,
-                payload_offset=off,
-                payload_bytes=n,
-                dtype="bytes",
-                shape=[],
-                chunks=[(off, n, crc)],
-            )
-
-
-def _resolves_by_default(planner: SavePlanner) -> bool:
-    """Whether ``planner`` resolves items as DefaultSavePlanner does (none of its lookup
-    methods overridden)."""
-    cls = type(planner)
-    return all(
-        getattr(cls, m, None) is getattr(DefaultSavePlanner, m)
-        for m in ("resolve_data", "lookup_object", "transform_object")
-    )
-
-
-def _plain_tensor(sd: dict[str, Any], item: WriteItem) -> torch.Tensor | None:
-    """What DefaultSavePlanner.resolve_data gives for a whole plain tensor, found directly
-    (100,000 items: a quarter of a second); None for anything else (DTensors, shards, tensor
-    subclasses), which goes the planner's way."""
-    obj = sd.get(item.index.fqn)
-    if type(obj) is not torch.Tensor:
-        return None
-    off = item.index.offset
-    if off is not None and (len(off) != obj.dim() or any(off)):
-        return None
-    return obj
-
-
-def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
-    """The tensor the planner resolves for a tensor item; raises naming the item otherwise."""
-    data = planner.resolve_data(item)
-    if not isinstance(data, torch.Tensor):
-        raise CheckpointSaveError(f"'{item.index.fqn}': planner resolved a {type(data)!r}")
-    return data
+        """This rank's manifest records, one at a time
+        (:func:`dcp_datastates.save.completion.manifest_items`)."""
+        return manifest_items(
+            self._templates, ctx.rank, self._file_tag(ctx), placed, bytes_crcs, chunks
+        )
 
 
 def write_result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
@@ -654,4 +551,4 @@ def write_result(item: WriteItem, relative_path: str, offset: int, length: int) 
     )
 
 
-__all__ = ["Placer", "write_result"]
+__all__ = ["PendingWrite", "Placer", "write_result"]
