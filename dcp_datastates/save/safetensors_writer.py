@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import _core
+from ..engine import Engine
 from ..errors import CheckpointSaveError
-from ..format.commit import manifest_name
+from ..format.commit import CheckpointDir, manifest_name
 from ..format.layout import data_file_name
 from ..format.manifest import ItemRecord, RankManifest
 from ..format.safetensors import HeaderEntry, dtype_name, encode_header, shard_file_name
@@ -52,6 +53,35 @@ class _Placed:
     payload: int = 0  # file offset
 
 
+@dataclass
+class _Write:
+    """One save's safetensors write, shared by the steps of :func:`write_safetensors`."""
+
+    ctx: SaveContext
+    job: SaveJob
+    d: CheckpointDir
+    eng: Engine
+    tensors: list[_Placed] = field(default_factory=list)  # in copy order
+    byte_items: list[WriteItem] = field(default_factory=list)  # non-tensor values
+    added_late: bool = False  # tensors registered only now: their copies are still to start
+    names: list[str] = field(default_factory=list)  # the safetensors files, by index
+    headers: list[bytes] = field(default_factory=list)  # their headers, padded
+    file_ids: dict[str, int] = field(default_factory=dict)  # file name -> engine file id
+    sink: dict[str, list[SinkItem]] = field(
+        default_factory=lambda: collections.defaultdict(list)
+    )  # non-local files: what the sequential consumer writes, by file name
+    spilled: list[_Placed] = field(default_factory=list)  # spilled snapshots in local files
+    results: list[WriteResult] = field(default_factory=list)
+    bytes_crcs: list[tuple[WriteItem, str, int, int, int]] = field(default_factory=list)
+    ext: list[tuple[int, int, int, int]] = field(default_factory=list)  # (entry, off, n, crc)
+
+    def fid(self, name: str) -> int:
+        """The engine's id of the file ``name``, opened on first use."""
+        if name not in self.file_ids:
+            self.file_ids[name] = self.eng.open_file(self.job.engine_job, self.d.join(name))
+        return self.file_ids[name]
+
+
 def write_safetensors(
     placer: Placer, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
 ) -> list[WriteResult]:
@@ -59,34 +89,58 @@ def write_safetensors(
     values; returns the WriteResults once the data is durable and the manifest written.
 
     The counterpart of :meth:`Placer.write <dcp_datastates.save.placement.Placer.write>` (same
-    threads, waits and failure handling: it raises, the writer fails the job).
+    threads, waits and failure handling: it raises, the writer fails the job). In steps: the
+    tensor items' records, the files and their headers, the tensors placed, the side file, the
+    spilled snapshots and the non-local files written, then the wait and the manifest.
     """
-    d = ctx.directory()
-    d.ensure_exists()
-    eng = placer._engine
+    w = _Write(ctx, job, ctx.directory(), placer._engine)
+    w.d.ensure_exists()
+    _captured_items(placer, w, plan, planner)
+    _plan_headers(placer, w, _assign_files(placer, w))
+    _place_tensors(w)
+    _write_side_file(w, planner)
+    if w.added_late:
+        w.eng.start_copies(job.engine_job)
+    _write_spilled(w)  # before seal: finalize syncs them too
+    w.eng.seal(job.engine_job)
+    for name, items in w.sink.items():  # non-local files, each front to back
+        for e, _c, off, n, crc in write_sequential(
+            w.eng, job.engine_job, w.d.fs, w.d.join(name), items
+        ):
+            w.ext.append((e, off, n, crc))
+    wait_written(w.eng, job, f"{ctx.path} (rank {ctx.rank})")
+    _write_manifest(placer, w)
+    return w.results
+
+
+def _captured_items(placer: Placer, w: _Write, plan: SavePlan, planner: SavePlanner) -> None:
+    """Sorts the plan's items: the tensor items with their captured records (captured now if
+    the save had not, their dtype checked), in copy order, and the bytes items."""
     staged_sd = getattr(planner, "state_dict", None)
-    tensors: list[_Placed] = []
-    byte_items: list[WriteItem] = []
-    added_late = False
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
-            byte_items.append(item)
+            w.byte_items.append(item)
             continue
-        cap, late = placer.captured_item(ctx, job, staged_sd, item, planner)
-        added_late |= late
+        cap, late = placer.captured_item(w.ctx, w.job, staged_sd, item, planner)
+        w.added_late |= late
         try:
             dtype_name(cap.dtype, item.index.fqn)
         except ValueError as err:
-            raise CheckpointSaveError(f"save to {ctx.path} (rank {ctx.rank}): {err}") from None
-        tensors.append(_Placed(item, cap))
+            raise CheckpointSaveError(
+                f"save to {w.ctx.path} (rank {w.ctx.rank}): {err}"
+            ) from None
+        w.tensors.append(_Placed(item, cap))
     # Copy order: at-call copies first, then lazy ones in queue order (as Placer.write).
-    tensors.sort(key=lambda p: (0 if p.cap.at_call else 1, p.cap.entry))
+    w.tensors.sort(key=lambda p: (0 if p.cap.at_call else 1, p.cap.entry))
 
+
+def _assign_files(placer: Placer, w: _Write) -> int:
+    """Assigns each tensor a file; returns how many files there are."""
     # Files: files_per_rank of them (1 for non-local URLs), each key at most once per file.
-    want = min(placer.config.files_per_rank if d.local else 1, len(tensors))
+    want = min(placer.config.files_per_rank if w.d.local else 1, len(w.tensors))
     loads: list[int] = [0] * want
     keys: list[set[str]] = [set() for _ in range(want)]
-    for p in tensors:
+    for p in w.tensors:
         fqn = p.item.index.fqn
         free = [f for f in range(len(loads)) if fqn not in keys[f]]
         if not free:
@@ -97,18 +151,23 @@ def write_safetensors(
         loads[p.file] += p.cap.nbytes
         keys[p.file].add(fqn)
     nfiles = len(loads)
-    if not d.local and nfiles > 1:
+    if not w.d.local and nfiles > 1:
         raise CheckpointSaveError(
-            f"save to {ctx.path} (rank {ctx.rank}): several chunks of one tensor on one rank "
+            f"save to {w.ctx.path} (rank {w.ctx.rank}): several chunks of one tensor on one rank "
             "need several safetensors files, which the sequential (non-local) path cannot write; "
             "save with format='torch' or to a local path"
         )
-    align = 4096 if placer.config.o_direct and d.local else 8
-    names = [shard_file_name(ctx.rank, f, nfiles) for f in range(nfiles)]
-    headers: list[bytes] = []
+    return nfiles
+
+
+def _plan_headers(placer: Placer, w: _Write, nfiles: int) -> None:
+    """Names the ``nfiles`` files and computes their headers, which fix each tensor's payload
+    offset."""
+    align = 4096 if placer.config.o_direct and w.d.local else 8
+    w.names = [shard_file_name(w.ctx.rank, f, nfiles) for f in range(nfiles)]
     for f in range(nfiles):
-        members = [p for p in tensors if p.file == f]
-        if d.local and align > 8:
+        members = [p for p in w.tensors if p.file == f]
+        if w.d.local and align > 8:
             # Payloads of whole pages first, so that they stay page-aligned (O_DIRECT).
             members.sort(key=lambda p: p.cap.nbytes % align != 0)
         pos = 0
@@ -122,84 +181,81 @@ def write_safetensors(
                 HeaderEntry(fqn, dtype_name(p.cap.dtype, fqn), p.cap.shape, p.begin, pos, offsets)
             )
         header = encode_header(entries, {"DCP_VERSION": "1.0", "format": "pt"}, align)
-        headers.append(header)
+        w.headers.append(header)
         for p in members:
             p.payload = len(header) + p.begin
 
-    file_ids: dict[str, int] = {}
 
-    def fid(name: str) -> int:
-        if name not in file_ids:
-            file_ids[name] = eng.open_file(job.engine_job, d.join(name))
-        return file_ids[name]
-
-    sink: dict[str, list[SinkItem]] = collections.defaultdict(list)
-    results: list[WriteResult] = []
-    records: list[ItemRecord] = []
-    bytes_crcs: list[tuple[WriteItem, str, int, int, int]] = []
+def _place_tensors(w: _Write) -> None:
+    """Writes the headers and hands each tensor to what writes it: the engine's flush threads
+    (local files), :func:`_write_spilled` (a spilled snapshot in a local file), or the sequential
+    consumer of a non-local file."""
+    eng, job = w.eng, w.job
     # Headers first (their own files only: a rank without tensors writes no safetensors file).
-    for f, header in enumerate(headers):
-        if d.local:
-            eng.write_bytes(job.engine_job, fid(names[f]), 0, header)
+    for f, header in enumerate(w.headers):
+        if w.d.local:
+            eng.write_bytes(job.engine_job, w.fid(w.names[f]), 0, header)
         else:
-            sink[names[f]].append(SinkItem(offset=0, data=header))
-    spilled: list[_Placed] = []
-    for p in tensors:
-        name = names[p.file]
-        if p.cap.spill is not None and d.local:
-            fid(name)
-            spilled.append(p)
+            w.sink[w.names[f]].append(SinkItem(offset=0, data=header))
+    for p in w.tensors:
+        name = w.names[p.file]
+        if p.cap.spill is not None and w.d.local:
+            w.fid(name)
+            w.spilled.append(p)
         elif p.cap.spill is not None:
-            sink[name].append(SinkItem(offset=p.payload, entry=p.cap.entry, spill=p.cap.spill))
-        elif d.local:
-            eng.place(job.engine_job, p.cap.entry, fid(name), p.payload, b"", b"")
+            w.sink[name].append(SinkItem(offset=p.payload, entry=p.cap.entry, spill=p.cap.spill))
+        elif w.d.local:
+            eng.place(job.engine_job, p.cap.entry, w.fid(name), p.payload, b"", b"")
         else:
             eng.place_external(job.engine_job, p.cap.entry)
-            sink[name].append(SinkItem(offset=p.payload, entry=p.cap.entry))
-        results.append(_write_result(p.item, name, p.payload, p.cap.nbytes))
-    # Non-tensor values: the planner's torch.save bytes, in the rank's side file.
-    side = data_file_name(ctx.rank, 0)
+            w.sink[name].append(SinkItem(offset=p.payload, entry=p.cap.entry))
+        w.results.append(_write_result(p.item, name, p.payload, p.cap.nbytes))
+
+
+def _write_side_file(w: _Write, planner: SavePlanner) -> None:
+    """Non-tensor values: the planner's torch.save bytes, in the rank's side file."""
+    side = data_file_name(w.ctx.rank, 0)
     pos = 0
-    for item in byte_items:
+    for item in w.byte_items:
         data = planner.resolve_data(item)
         raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
-        if d.local:
-            eng.write_bytes(job.engine_job, fid(side), pos, raw)
+        if w.d.local:
+            w.eng.write_bytes(w.job.engine_job, w.fid(side), pos, raw)
         else:
-            sink[side].append(SinkItem(offset=pos, data=raw))
-        bytes_crcs.append((item, side, pos, len(raw), _core.crc32c(raw)))
-        results.append(_write_result(item, side, pos, len(raw)))
+            w.sink[side].append(SinkItem(offset=pos, data=raw))
+        w.bytes_crcs.append((item, side, pos, len(raw), _core.crc32c(raw)))
+        w.results.append(_write_result(item, side, pos, len(raw)))
         pos += len(raw)
-    if added_late:
-        eng.start_copies(job.engine_job)
-    ext: list[tuple[int, int, int, int]] = []  # (entry, file offset, bytes, crc)
-    for p in spilled:  # before seal: finalize syncs them too
-        fd = os.open(d.join(names[p.file]), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _write_spilled(w: _Write) -> None:
+    """Copies the spilled snapshots placed in local files into them, recording their chunks."""
+    for p in w.spilled:
+        fd = os.open(w.d.join(w.names[p.file]), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             assert p.cap.spill is not None
             p.cap.spill.copy_to(fd, p.payload)
         finally:
             os.close(fd)
-        ext.append((p.cap.entry, p.payload, p.cap.nbytes, p.cap.spill.crc))
-    eng.seal(job.engine_job)
-    for name, items in sink.items():
-        for e, _c, off, n, crc in write_sequential(eng, job.engine_job, d.fs, d.join(name), items):
-            ext.append((e, off, n, crc))
+        w.ext.append((p.cap.entry, p.payload, p.cap.nbytes, p.cap.spill.crc))
 
-    wait_written(eng, job, f"{ctx.path} (rank {ctx.rank})")
 
+def _write_manifest(placer: Placer, w: _Write) -> None:
+    """Writes the rank's manifest (once the data is durable): every tensor with its chunk
+    records, then the non-tensor values."""
     by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-    for e, _c, _file, off, _entry_off, n, crc in eng.chunk_records(job.engine_job):
+    for e, _c, _file, off, _entry_off, n, crc in w.eng.chunk_records(w.job.engine_job):
         by_entry[e].append((off, n, crc))
-    for e, off, n, crc in ext:
+    for e, off, n, crc in w.ext:
         by_entry[e].append((off, n, crc))
-    for p in tensors:
+    records: list[ItemRecord] = []
+    for p in w.tensors:
         offs = p.item.index.offset
         records.append(
             ItemRecord(
                 fqn=p.item.index.fqn,
                 offset=list(offs) if offs is not None else None,
-                file=names[p.file],
+                file=w.names[p.file],
                 archive_offset=p.payload,
                 archive_length=p.cap.nbytes,
                 payload_offset=p.payload,
@@ -209,7 +265,7 @@ def write_safetensors(
                 chunks=sorted(by_entry.get(p.cap.entry, [])),
             )
         )
-    for item, name, off, n, crc in bytes_crcs:
+    for item, name, off, n, crc in w.bytes_crcs:
         records.append(
             ItemRecord(
                 fqn=item.index.fqn, offset=None, file=name, archive_offset=off,
@@ -218,10 +274,10 @@ def write_safetensors(
             )
         )
     manifest = RankManifest(
-        rank=ctx.rank, checksums=placer.config.checksums, save_id=ctx.save_id, items=records
+        rank=w.ctx.rank, checksums=placer.config.checksums, save_id=w.ctx.save_id, items=records
     )
-    d.write_atomic(manifest_name(ctx.rank), manifest.to_json().encode(), placer.config.durable)
-    return results
+    text = manifest.to_json().encode()
+    w.d.write_atomic(manifest_name(w.ctx.rank), text, placer.config.durable)
 
 
 def _write_result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
