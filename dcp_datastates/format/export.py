@@ -44,7 +44,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
@@ -57,6 +57,14 @@ from .manifest import ItemRecord, RankManifest
 from .refs import is_reference_path, relative_path
 from .safetensors import SUFFIX, HeaderEntry, dtype_name, encode_header, read_into
 from .verify import load_metadata
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -186,13 +194,20 @@ def _records(ckpt: str) -> tuple[dict[tuple[str, tuple[int, ...]], list[tuple[It
     return out, problems
 
 
-def _plan(
-    ckpt: str, dtype: torch.dtype | None, prefix: str | None, include_all: bool = False
-) -> tuple[list[_Tensor], list[str], list[str], list[str]]:
-    """The tensors to export (in the checkpoint's order), the non-tensor keys skipped, the
-    optimizer-state tensors left out and the tensors whose bytes have no checksums."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+@dataclass
+class _Source:
+    """The checkpoint being exported, as :func:`_plan` reads it: its ``.metadata``, the items of
+    its manifests and the archive templates of its chunks."""
 
+    ckpt: str
+    md: Metadata
+    records: dict[tuple[str, tuple[int, ...]], list[tuple[ItemRecord, bool]]]
+    manifest_problems: list[str]  # what was wrong with manifests that could not be read
+    templates: TemplateCache = field(default_factory=TemplateCache)
+
+
+def _open(ckpt: str) -> _Source:
+    """Reads ``ckpt``'s ``.metadata`` and manifests; raises if it is not a checkpoint."""
     md_path = os.path.join(ckpt, METADATA_FILE)
     if not os.path.isdir(ckpt):
         raise NotACheckpointError(f"{ckpt}: no such checkpoint directory")
@@ -206,10 +221,21 @@ def _plan(
     except ValueError as e:
         raise ExportError(f"{md_path}: damaged: {e}") from None
     records, manifest_problems = _records(ckpt)
+    return _Source(ckpt, md, records, manifest_problems)
+
+
+def _plan(
+    ckpt: str, dtype: torch.dtype | None, prefix: str | None, include_all: bool = False
+) -> tuple[list[_Tensor], list[str], list[str], list[str]]:
+    """The tensors to export (in the checkpoint's order), the non-tensor keys skipped, the
+    optimizer-state tensors left out and the tensors whose bytes have no checksums."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    source = _open(ckpt)
+    md = source.md
     all_tensors = [k for k, v in md.state_dict_metadata.items()
                    if isinstance(v, TensorStorageMetadata)]
     opt = set() if include_all else optimizer_prefixes(list(md.state_dict_metadata))
-    templates = TemplateCache()
     tensors: list[_Tensor] = []
     skipped: list[str] = []
     excluded: list[str] = []
@@ -225,83 +251,113 @@ def _plan(
         if not isinstance(smd, TensorStorageMetadata):
             skipped.append(fqn)
             continue
-        src = smd.properties.dtype
-        try:
-            dtype_name(src, fqn)
-        except ValueError as e:
-            raise ExportError(str(e)) from None
-        out = src
-        if dtype is not None and src.is_floating_point and src.itemsize >= 2:
-            out = dtype
-        shape = tuple(int(s) for s in smd.size)
-        chunks: list[_Chunk] = []
-        for ch in smd.chunks:
-            offs = tuple(int(o) for o in ch.offsets)
-            sizes = tuple(int(s) for s in ch.sizes)
-            where = f"'{fqn}' chunk at {list(offs)}"
-            info = md.storage_data.get(MetadataIndex(fqn, ch.offsets))
-            if info is None:
-                raise ExportError(f"{where}: not in {METADATA_FILE}'s storage_data")
-            rel = str(info.relative_path)
-            if getattr(info, "transform_descriptors", None):
-                raise ExportError(
-                    f"{where} ({rel}): stored through the transforms "
-                    f"{list(info.transform_descriptors)} (_extensions), which export does not "
-                    "undo; load it with dcp.load and save it again without _extensions"
-                )
-            if is_reference_path(rel):
-                owner = rel.split("/")[1]
-                if not os.path.isdir(os.path.join(ckpt, os.pardir, owner)):
-                    raise ExportError(
-                        f"{where}: its bytes live in the checkpoint {owner} this incremental "
-                        f"checkpoint references ({rel}), which is missing: restore it beside "
-                        f"{os.path.basename(os.path.normpath(ckpt))}"
-                    )
-            elif os.path.basename(rel) != rel or rel in ("", ".", ".."):
-                raise ExportError(f"{where}: {METADATA_FILE} names the file {rel!r}")
-            nbytes = math.prod(sizes) * src.itemsize
-            if rel.endswith(SUFFIX):
-                if info.length != nbytes:
-                    raise ExportError(
-                        f"{where} ({rel}): {info.length} bytes for a {src} chunk {list(sizes)}"
-                    )
-                payload = int(info.offset)
-            else:
-                tmpl = templates.get(src, sizes)
-                if info.length != tmpl.total_bytes:
-                    raise ExportError(
-                        f"{where} ({rel}): not a torch.save archive of a contiguous {src} "
-                        f"chunk {list(sizes)} as dcp_datastates writes it ({info.length} bytes, "
-                        f"expected {tmpl.total_bytes})"
-                    )
-                head = _read_exact(os.path.join(ckpt, rel), int(info.offset), len(tmpl.prefix),
-                                   where)
-                if head != tmpl.prefix:
-                    raise ExportError(
-                        f"{where} ({rel}): the torch.save archive header at byte {info.offset} "
-                        "is damaged or not laid out as dcp_datastates writes it"
-                    )
-                payload = int(info.offset) + len(tmpl.prefix)
-            crcs, checked = _checksums(
-                records.get((fqn, offs), []), rel, int(info.offset), int(info.length), payload,
-                nbytes, f"{where} ({rel})", manifest_problems,
-            )
-            if not checked and fqn not in unverified:
-                unverified.append(fqn)
-            chunks.append(_Chunk(offs, sizes, rel, payload, crcs))
-        covered = sum(math.prod(c.sizes) for c in chunks)
-        if covered != math.prod(shape):
-            raise ExportError(
-                f"'{fqn}': its chunks hold {covered} elements, the tensor {list(shape)} has "
-                f"{math.prod(shape)} ({METADATA_FILE} damaged)"
-            )
-        tensors.append(_Tensor(fqn, key, src, out, shape, chunks))
+        tensors.append(_tensor(source, fqn, key, smd, dtype, unverified))
     if not tensors:
         raise NothingToExportError(_nothing(ckpt, prefix, all_tensors, excluded))
     keys = [t.key for t in tensors]
     if len(set(keys)) != len(keys) or "" in keys or "__metadata__" in keys:
         raise ExportError(f"--prefix {prefix!r} leaves empty, duplicate or reserved tensor names")
     return tensors, skipped, excluded, unverified
+
+
+def _tensor(
+    source: _Source, fqn: str, key: str, smd: TensorStorageMetadata, dtype: torch.dtype | None,
+    unverified: list[str],
+) -> _Tensor:
+    """The tensor ``fqn`` to export as ``key``, every chunk of it located and checked; appends
+    ``fqn`` to ``unverified`` if some chunk of it has no checksums."""
+    src = smd.properties.dtype
+    try:
+        dtype_name(src, fqn)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    out = src
+    if dtype is not None and src.is_floating_point and src.itemsize >= 2:
+        out = dtype
+    shape = tuple(int(s) for s in smd.size)
+    chunks: list[_Chunk] = []
+    for ch in smd.chunks:
+        chunk, checked = _chunk(source, fqn, src, ch)
+        if not checked and fqn not in unverified:
+            unverified.append(fqn)
+        chunks.append(chunk)
+    covered = sum(math.prod(c.sizes) for c in chunks)
+    if covered != math.prod(shape):
+        raise ExportError(
+            f"'{fqn}': its chunks hold {covered} elements, the tensor {list(shape)} has "
+            f"{math.prod(shape)} ({METADATA_FILE} damaged)"
+        )
+    return _Tensor(fqn, key, src, out, shape, chunks)
+
+
+def _chunk(
+    source: _Source, fqn: str, src: torch.dtype, ch: ChunkStorageMetadata
+) -> tuple[_Chunk, bool]:
+    """One chunk of tensor ``fqn``: where its bytes are (its file checked to be one of the
+    checkpoint's, or of a sibling it references), with its checksums; and whether it has any."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    ckpt = source.ckpt
+    offs = tuple(int(o) for o in ch.offsets)
+    sizes = tuple(int(s) for s in ch.sizes)
+    where = f"'{fqn}' chunk at {list(offs)}"
+    info = source.md.storage_data.get(MetadataIndex(fqn, ch.offsets))
+    if info is None:
+        raise ExportError(f"{where}: not in {METADATA_FILE}'s storage_data")
+    rel = str(info.relative_path)
+    if getattr(info, "transform_descriptors", None):
+        raise ExportError(
+            f"{where} ({rel}): stored through the transforms "
+            f"{list(info.transform_descriptors)} (_extensions), which export does not "
+            "undo; load it with dcp.load and save it again without _extensions"
+        )
+    if is_reference_path(rel):
+        owner = rel.split("/")[1]
+        if not os.path.isdir(os.path.join(ckpt, os.pardir, owner)):
+            raise ExportError(
+                f"{where}: its bytes live in the checkpoint {owner} this incremental "
+                f"checkpoint references ({rel}), which is missing: restore it beside "
+                f"{os.path.basename(os.path.normpath(ckpt))}"
+            )
+    elif os.path.basename(rel) != rel or rel in ("", ".", ".."):
+        raise ExportError(f"{where}: {METADATA_FILE} names the file {rel!r}")
+    nbytes = math.prod(sizes) * src.itemsize
+    payload = _payload(source, where, rel, info, src, sizes, nbytes)
+    crcs, checked = _checksums(
+        source.records.get((fqn, offs), []), rel, int(info.offset), int(info.length), payload,
+        nbytes, f"{where} ({rel})", source.manifest_problems,
+    )
+    return _Chunk(offs, sizes, rel, payload, crcs), checked
+
+
+def _payload(
+    source: _Source, where: str, rel: str, info: _StorageInfo, src: torch.dtype,
+    sizes: tuple[int, ...], nbytes: int,
+) -> int:
+    """The file offset of a chunk's raw bytes (``nbytes`` of them, in the file ``rel``): where
+    ``.metadata`` puts them in a ``.safetensors`` file, past the archive's header (checked) in a
+    torch.save archive."""
+    if rel.endswith(SUFFIX):
+        if info.length != nbytes:
+            raise ExportError(
+                f"{where} ({rel}): {info.length} bytes for a {src} chunk {list(sizes)}"
+            )
+        return int(info.offset)
+    tmpl = source.templates.get(src, sizes)
+    if info.length != tmpl.total_bytes:
+        raise ExportError(
+            f"{where} ({rel}): not a torch.save archive of a contiguous {src} "
+            f"chunk {list(sizes)} as dcp_datastates writes it ({info.length} bytes, "
+            f"expected {tmpl.total_bytes})"
+        )
+    head = _read_exact(os.path.join(source.ckpt, rel), int(info.offset), len(tmpl.prefix),
+                       where)
+    if head != tmpl.prefix:
+        raise ExportError(
+            f"{where} ({rel}): the torch.save archive header at byte {info.offset} "
+            "is damaged or not laid out as dcp_datastates writes it"
+        )
+    return int(info.offset) + len(tmpl.prefix)
 
 
 def _nothing(ckpt: str, prefix: str | None, all_tensors: list[str], excluded: list[str]) -> str:
@@ -463,6 +519,71 @@ def _write_all(out: BinaryIO, t: torch.Tensor) -> None:
         out.write(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
 
 
+@dataclass
+class _Slabs:
+    """How :func:`_stream_tensor` cuts one tensor into slabs, and reads its chunks into them: a
+    slab is a range of rows of dimension ``k`` (all the inner dimensions) at one index ``idx`` of
+    the outer ones."""
+
+    t: _Tensor
+    files: _Files
+    cursors: list[_CrcCursor]  # one per chunk
+    read_buf: torch.Tensor  # where a chunk narrower than the slab is read first
+    k: int  # the dimension slabs are ranges of (0 for a 0-d tensor)
+    inner: int  # elements per row of dimension k
+
+    def read(
+        self, c: _Chunk, cursor: _CrcCursor, slab: torch.Tensor, idx: tuple[int, ...], r0: int,
+        r1: int,
+    ) -> int:
+        """Reads chunk ``c``'s part of the slab of rows [r0, r1) at ``idx`` into ``slab``
+        (checking its bytes); returns the elements it filled (0 if the chunk has none there)."""
+        t, k, inner = self.t, self.k, self.inner
+        nd = len(t.shape)
+        if math.prod(c.sizes) == 0:
+            return 0
+        if nd and any(not (o <= i < o + s) for i, o, s in
+                      zip(idx, c.offsets[:k], c.sizes[:k], strict=True)):
+            return 0
+        a = max(r0, c.offsets[k]) if nd else 0
+        b = min(r1, c.offsets[k] + c.sizes[k]) if nd else 1
+        if a >= b:
+            return 0
+        # The chunk's part of this slab: contiguous in the chunk (row-major).
+        cinner = math.prod(c.sizes[k + 1:]) if nd else 1
+        start = 0
+        if nd:
+            stride = 1
+            coords = [i - o for i, o in zip(idx, c.offsets[:k], strict=True)]
+            coords.append(a - c.offsets[k])
+            for d in range(k, -1, -1):
+                start += coords[d] * stride
+                stride *= c.sizes[d]
+            start *= cinner
+        count = (b - a) * cinner
+        where = f"'{t.fqn}' chunk at {list(c.offsets)} ({c.file})"
+        f = self.files.get(c.file, where)
+        off = c.payload + start * t.dtype.itemsize
+        full_rows = not nd or tuple(c.sizes[k + 1:]) == tuple(t.shape[k + 1:])
+        try:
+            if full_rows:
+                dst = slab.view(-1)[(a - r0) * inner:(b - r0) * inner]
+                read_into(f, off, dst, where)
+                cursor.feed(off, dst.data_ptr(), count * t.dtype.itemsize)
+            else:
+                part_shape = ((b - a),) + tuple(c.sizes[k + 1:])
+                part = self.read_buf[: count * t.dtype.itemsize].view(t.dtype).view(part_shape)
+                read_into(f, off, part, where)
+                cursor.feed(off, part.data_ptr(), count * t.dtype.itemsize)
+                box = slab[a - r0:b - r0]
+                for d in range(k + 1, nd):
+                    box = box.narrow(d - k, c.offsets[d], c.sizes[d])
+                box.copy_(part)
+        except ValueError as e:
+            raise ExportError(f"{e} (data file truncated)") from None
+        return count
+
+
 def _stream_tensor(
     t: _Tensor, out: BinaryIO, unit: int, scratch: list[torch.Tensor], files: _Files,
     progress: Progress,
@@ -487,6 +608,7 @@ def _stream_tensor(
         run = max(1, min(shape[k], unit // (math.prod(shape[k + 1:]) * isz)))
     inner = math.prod(shape[k + 1:]) if nd else 1
     slab_buf, read_buf, conv_buf = scratch
+    slabs = _Slabs(t, files, cursors, read_buf, k, inner)
     outer = itertools.product(*(range(s) for s in shape[:k])) if nd else iter([()])
     for idx in outer:
         for r0 in range(0, shape[k] if nd else 1, run):
@@ -494,50 +616,8 @@ def _stream_tensor(
             slab_shape = ((r1 - r0),) + tuple(shape[k + 1:]) if nd else ()
             n = (r1 - r0) * inner
             slab = slab_buf[: n * t.dtype.itemsize].view(t.dtype).view(slab_shape)
-            filled = 0
-            for c, cursor in zip(t.chunks, cursors, strict=True):
-                if math.prod(c.sizes) == 0:
-                    continue
-                if nd and any(not (o <= i < o + s) for i, o, s in
-                              zip(idx, c.offsets[:k], c.sizes[:k], strict=True)):
-                    continue
-                a = max(r0, c.offsets[k]) if nd else 0
-                b = min(r1, c.offsets[k] + c.sizes[k]) if nd else 1
-                if a >= b:
-                    continue
-                # The chunk's part of this slab: contiguous in the chunk (row-major).
-                cinner = math.prod(c.sizes[k + 1:]) if nd else 1
-                start = 0
-                if nd:
-                    stride = 1
-                    coords = [i - o for i, o in zip(idx, c.offsets[:k], strict=True)]
-                    coords.append(a - c.offsets[k])
-                    for d in range(k, -1, -1):
-                        start += coords[d] * stride
-                        stride *= c.sizes[d]
-                    start *= cinner
-                count = (b - a) * cinner
-                where = f"'{t.fqn}' chunk at {list(c.offsets)} ({c.file})"
-                f = files.get(c.file, where)
-                off = c.payload + start * t.dtype.itemsize
-                full_rows = not nd or tuple(c.sizes[k + 1:]) == tuple(shape[k + 1:])
-                try:
-                    if full_rows:
-                        dst = slab.view(-1)[(a - r0) * inner:(b - r0) * inner]
-                        read_into(f, off, dst, where)
-                        cursor.feed(off, dst.data_ptr(), count * t.dtype.itemsize)
-                    else:
-                        part_shape = ((b - a),) + tuple(c.sizes[k + 1:])
-                        part = read_buf[: count * t.dtype.itemsize].view(t.dtype).view(part_shape)
-                        read_into(f, off, part, where)
-                        cursor.feed(off, part.data_ptr(), count * t.dtype.itemsize)
-                        box = slab[a - r0:b - r0]
-                        for d in range(k + 1, nd):
-                            box = box.narrow(d - k, c.offsets[d], c.sizes[d])
-                        box.copy_(part)
-                except ValueError as e:
-                    raise ExportError(f"{e} (data file truncated)") from None
-                filled += count
+            filled = sum(slabs.read(c, cursor, slab, idx, r0, r1)
+                         for c, cursor in zip(t.chunks, cursors, strict=True))
             if filled != n:
                 raise ExportError(
                     f"'{t.fqn}': its chunks cover {filled} of the {n} elements of rows "
