@@ -515,17 +515,7 @@ class Stager:
             if owners and local.numel() > 0
             else None
         )
-        mode = self._mode
-        if mode == "lazy":
-            lazy_ok = simple
-        elif mode == "eager":
-            lazy_ok = False
-        else:  # auto, owned
-            lazy_ok = simple and owner is not None
-        if local.is_inference():
-            # No version counter: an in-place change under inference_mode before the copy
-            # could not be detected, so an inference tensor is always taken at the call.
-            lazy_ok = False
+        lazy_ok = self._may_be_lazy(local, simple, owner)
         on_cpu = local.is_cpu
         # Incremental saves: a tensor unchanged since the previous save is referenced, never
         # copied nor written (dcp_datastates.save.incremental decides).
@@ -548,24 +538,15 @@ class Stager:
         # and met first in this save, which keys itself: a new DTensor costs ~30 us (FSDP2's
         # state is thousands of them). See the module docstring.
         staged: torch.Tensor = local if (on_cpu or lazy_ok) else source
-        if (
-            is_dtensor
-            and lazy_ok
-            and at_call == "no"
-            and not referenced
-            and not t.requires_grad
-            and id(t) not in out.by_id
-        ):
-            staged = t
-        elif is_dtensor:
-            staged = DTensor.from_local(
-                staged,
-                t.device_mesh,  # type: ignore[attr-defined]
-                t.placements,  # type: ignore[attr-defined]
-                run_check=False,
-                shape=t.shape,
-                stride=t.stride(),
+        if is_dtensor:
+            keys_itself = (
+                lazy_ok
+                and at_call == "no"
+                and not referenced
+                and not t.requires_grad
+                and id(t) not in out.by_id
             )
+            staged = t if keys_itself else _dtensor_around(t, staged)
         cap = CapturedTensor(
             name=name,
             staged=staged,
@@ -577,7 +558,7 @@ class Stager:
             # a CUDA tensor that may not be lazy is a private clone: exact already, not lazy
             lazy=at_call != "must" and lazy_ok,
             version=0,  # taken by _make_lazy for the tensors that stay lazy
-            owner=owner if lazy_ok and mode != "lazy" else None,
+            owner=owner if lazy_ok and self._mode != "lazy" else None,
             incr=info,
             rank_unique=is_dtensor and _rank_unique(t),
         )
@@ -585,6 +566,22 @@ class Stager:
             at_call, cap.lazy, cap.owner = "ref", False, None
         out.add(cap, at_call)
         return staged
+
+    def _may_be_lazy(self, local: torch.Tensor, simple: bool, owner: int | None) -> bool:
+        """Whether a tensor leaf may be copied in the background (the capture mode; ``simple``:
+        contiguous, without conj/neg bits; ``owner``: the optimizer owning its storage)."""
+        mode = self._mode
+        if mode == "lazy":
+            lazy_ok = simple
+        elif mode == "eager":
+            lazy_ok = False
+        else:  # auto, owned
+            lazy_ok = simple and owner is not None
+        if local.is_inference():
+            # No version counter: an in-place change under inference_mode before the copy
+            # could not be detected, so an inference tensor is always taken at the call.
+            lazy_ok = False
+        return lazy_ok
 
     def _device_snapshot(self, local: torch.Tensor, name: str) -> torch.Tensor:
         """A private copy of a device tensor that may not be copied lazily: a clone on its
@@ -638,6 +635,38 @@ class Stager:
     def _capture(self, job: SaveJob, batch: _Batch) -> None:
         """Takes the at-call snapshots, then leaves the rest to the background copies."""
         eng = self._engine
+        for cap in batch.ref:  # incremental: referenced, neither copied nor written
+            eng.skip(job.engine_job, cap.entry)
+            cap.at_call = True
+            cap.source = _RELEASED  # cap.incr keeps the tensor for a fallback write
+        overflow = self._capture_must(job, batch.must)
+        # Then what may be lazy: the background copies take it, unless the machine's other work
+        # would starve them (cpuload.py) and no barrier could raise them to normal priority
+        # (Engine.can_boost): host state is then copied now, what fits right away.
+        if self._meter is not None and (batch.lazy or job.lazy_bytes):
+            load = self._meter.sample()
+            if load is not None and load.starves_idle_threads and not self._engine.can_boost():
+                self._capture_now_busy(job, batch)
+        for cap in batch.lazy:
+            if not cap.at_call:
+                self._make_lazy(job, cap)
+        if overflow and not self._warned_overflow:
+            self._warned_overflow = True
+            logger.warning(
+                "host_cache_size (%d MiB) is smaller than the state this save must snapshot at the "
+                "call and spilling failed (%s%s): those tensors are copied lazily and the save "
+                "fails with CaptureError if they change before the next optimizer step. Raise "
+                "host_cache_size.",
+                eng.cache_bytes >> 20,
+                ", ".join(overflow[:3]),
+                " ..." if len(overflow) > 3 else "",
+            )
+
+    def _capture_must(self, job: SaveJob, must: list[CapturedTensor]) -> list[str]:
+        """Takes the tensors that must be taken at the call: into the cache, else spilled, else
+        (neither possible) left to the background copies. Returns the host tensors whose spill
+        failed, each named with why, for the warning of :meth:`_capture`."""
+        eng = self._engine
         cache = eng.cache_bytes
         chunk = eng.chunk_bytes
         reserved = 0  # cache bytes this job holds (they drain only after its placement)
@@ -647,11 +676,6 @@ class Stager:
             return c.nbytes + nchunks * 4096
 
         overflow: list[str] = []
-        for cap in batch.ref:  # incremental: referenced, neither copied nor written
-            eng.skip(job.engine_job, cap.entry)
-            cap.at_call = True
-            cap.source = _RELEASED  # cap.incr keeps the tensor for a fallback write
-        must = batch.must
         # State that must be taken now first: one native call copies all that fits right now
         # (GIL released), then what did not fit may wait for space, or spill.
         taken_now = eng.capture_now_many(job.engine_job, [cap.entry for cap in must])
@@ -696,27 +720,7 @@ class Stager:
                     cap.source = _RELEASED
                     continue
             self._make_lazy(job, cap)
-        # Then what may be lazy: the background copies take it, unless the machine's other work
-        # would starve them (cpuload.py) and no barrier could raise them to normal priority
-        # (Engine.can_boost): host state is then copied now, what fits right away.
-        if self._meter is not None and (batch.lazy or job.lazy_bytes):
-            load = self._meter.sample()
-            if load is not None and load.starves_idle_threads and not self._engine.can_boost():
-                self._capture_now_busy(job, batch)
-        for cap in batch.lazy:
-            if not cap.at_call:
-                self._make_lazy(job, cap)
-        if overflow and not self._warned_overflow:
-            self._warned_overflow = True
-            logger.warning(
-                "host_cache_size (%d MiB) is smaller than the state this save must snapshot at the "
-                "call and spilling failed (%s%s): those tensors are copied lazily and the save "
-                "fails with CaptureError if they change before the next optimizer step. Raise "
-                "host_cache_size.",
-                cache >> 20,
-                ", ".join(overflow[:3]),
-                " ..." if len(overflow) > 3 else "",
-            )
+        return overflow
 
     def _capture_now_busy(self, job: SaveJob, batch: _Batch) -> None:
         """Copies the host tensors left to the background copies at the call instead, as far
@@ -801,6 +805,19 @@ def _rank_unique(t: Any) -> bool:
         return int(t.device_mesh.size()) == default_world_size()
     except Exception:  # noqa: BLE001 - an unusual mesh or placement: not known to be unique
         return False
+
+
+def _dtensor_around(t: Any, local: torch.Tensor) -> Any:
+    """A new DTensor like ``t`` (its mesh, placements, global shape and stride) around the
+    tensor ``local``: the staged object of a DTensor leaf that does not key itself."""
+    return DTensor.from_local(
+        local,
+        t.device_mesh,
+        t.placements,
+        run_check=False,
+        shape=t.shape,
+        stride=t.stride(),
+    )
 
 
 def _clone_on_device(t: torch.Tensor) -> torch.Tensor:
