@@ -103,7 +103,8 @@ def run_counted(shim: Path, tmp_path: Path, kw: str, protect: bool,
     code = textwrap.dedent(SCRIPT).replace("**KW", kw).replace("PROTECT:", f"{protect}:")
     if not warm_up:  # pretend the warm-up ran already
         code = code.replace("from dcp_datastates import DataStatesWriter",
-                            "from dcp_datastates import DataStatesWriter, forksafe\n"
+                            "from dcp_datastates import DataStatesWriter\n"
+                            "from dcp_datastates.save import forksafe\n"
                             "forksafe._done = True")  # fmt: skip
     env = dict(os.environ, LD_PRELOAD=str(shim), SHIM_PATH=str(shim))
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True,
