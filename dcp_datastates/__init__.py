@@ -53,8 +53,9 @@ from .lifecycle import checkpoints  # dcp_datastates.checkpoints.prune(...) and 
 from .lifecycle.tiers import PersistError, resume_path
 from .restore.load import load
 from .restore.reader import DataStatesReader
+from .save.controls import ProtectHandle
 from .save.planner import DataStatesSavePlanner
-from .save.writer import DataStatesWriter, ProtectHandle
+from .save.writer import DataStatesWriter
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

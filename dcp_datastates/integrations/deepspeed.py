@@ -90,7 +90,8 @@ from ..errors import CheckpointSaveError
 from ..format.commit import fsync_dir
 from ..save import barrier
 from ..save.capture import SaveJob, Stager, raise_if_modified
-from ..save.writer import DataStatesWriter, _spill_dirs
+from ..save.parts import spill_dirs
+from ..save.writer import DataStatesWriter
 from .config import writer_kwargs
 from .torch_archive import ArchivePlan, plan_archive
 
@@ -306,7 +307,7 @@ class DataStatesCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             if self._writer is None or self._writer.closed:
                 self._writer = DataStatesWriter("", **self._writer_kwargs)
                 self._stager = Stager(self._writer.engine, self._writer.config.capture,
-                                      _spill_dirs(""))
+                                      spill_dirs(""))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._committer, name="dcp_datastates-ds-commit", daemon=True

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from ..format.layout import ArchiveTemplate
     from .capture import CapturedTensor, SaveJob
     from .contexts import SaveContext
-    from .placement import Placer
+    from .late_capture import ItemPlacer
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class _StoredFile:
     transform streams call; ``close`` completes the file (durable on a local path when asked),
     ``abort`` removes what was written."""
 
-    def __init__(self, local: bool, fs: Any, path: str, durable: bool, placer: Placer) -> None:
+    def __init__(self, local: bool, fs: Any, path: str, durable: bool, placer: ItemPlacer) -> None:
         self.path = path
         self.pos = 0
         self.crc = 0
@@ -230,7 +230,7 @@ class _Decoded:
 
 
 def write_transformed(
-    placer: Placer,
+    placer: ItemPlacer,
     ctx: SaveContext,
     job: SaveJob,
     plan: SavePlan,
@@ -299,7 +299,7 @@ def write_transformed(
 
 
 def _write_all(
-    placer: Placer,
+    placer: ItemPlacer,
     ctx: SaveContext,
     job: SaveJob,
     transforms: _StorageWriterTransforms,

@@ -5,8 +5,9 @@ A save job (:class:`dcp_datastates.save.capture.SaveJob`) is created by ``stage(
 ``write_data`` for a plain ``dcp.save``). This module holds what follows it:
 
 * how DCP's save thread finds its staged job: :class:`StagedStateDict` (what ``stage()`` returns)
-  binds the job to the first other thread that iterates it; the writer then keeps a
-  :class:`Binding` in that thread's thread-local storage and finds the save's
+  binds the job to the first other thread that iterates it; the writer
+  (:mod:`dcp_datastates.save.binding`) then keeps a :class:`Binding` in that thread's
+  thread-local storage and finds the save's
   ``concurrent.futures.Future`` on the call stack (:func:`current_executor_future`); the job is
   released when that future completes, when the thread exits or binds another job, or when the
   staged dict is collected unbound (:func:`release_cb`, :func:`staged_collected`);
@@ -24,8 +25,9 @@ Threads and locks: the table's ``lock`` (re-entrant; the writer shares it) guard
 the thread map and the error queue; ``idle`` (a condition on it) is notified whenever a job is
 dropped. A job's own ``lock`` serialises its completion, failure and barrier; the engine job is
 aborted *before* taking it, since a barrier may hold it while waiting for that job. Callbacks and
-finalizers hold the writer weakly (it can be collected with saves bound) and do nothing in a
-forked child. Native engine threads never call any of this.
+finalizers hold the writer weakly (it can be collected with saves bound), through
+:class:`JobOwner` (this module never imports the writer), and do nothing in a forked child.
+Native engine threads never call any of this.
 """
 
 from __future__ import annotations
@@ -40,18 +42,30 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..engine import Engine, engine_time_to_perf
 from ..errors import CheckpointSaveError
 from .capture import SaveJob, raise_if_modified
 from .stats import SaveStats
 
-if TYPE_CHECKING:
-    from .writer import DataStatesWriter
-
 # Messages keep the writer's logger name (this code was part of dcp_datastates.save.writer).
 logger = logging.getLogger("dcp_datastates.save.writer")
+
+
+class JobOwner(Protocol):
+    """What this module's callbacks and finalizers call on the writer that owns the jobs (held
+    weakly; implemented by :class:`dcp_datastates.save.binding.JobBinding`)."""
+
+    _pid: int  # the owner process: callbacks do nothing in a forked child
+
+    def _bind_thread(self, ident: int, job: SaveJob) -> None: ...
+
+    def _error_seen(self, job: SaveJob) -> None: ...
+
+    def _release_job(
+        self, job: SaveJob, why: str, cause: BaseException | None = None, quiet: bool = False
+    ) -> None: ...
 
 
 class Binding:
@@ -66,7 +80,7 @@ class Binding:
 
 
 def release_cb(
-    writer_ref: weakref.ref[DataStatesWriter], job: SaveJob, pid: int, why: str,
+    writer_ref: weakref.ref[JobOwner], job: SaveJob, pid: int, why: str,
     cause: BaseException | None = None,
 ) -> None:
     """Finalizer/callback that ends a staged job's protocol (never in a forked child)."""
@@ -153,7 +167,7 @@ def async_save_uses_process_executor() -> bool:
 
 
 def staged_collected(
-    writer_ref: weakref.ref[DataStatesWriter], job_ref: weakref.ref[SaveJob], pid: int
+    writer_ref: weakref.ref[JobOwner], job_ref: weakref.ref[SaveJob], pid: int
 ) -> None:
     """Finalizer of a StagedStateDict: a job no save thread ever bound is released.
 
@@ -199,7 +213,7 @@ class StagedStateDict(dict):  # type: ignore[type-arg]
     It cannot be pickled (``AsyncCheckpointerType.PROCESS`` is not supported).
     """
 
-    def __init__(self, data: dict[str, Any], writer: DataStatesWriter, job: SaveJob) -> None:
+    def __init__(self, data: dict[str, Any], writer: JobOwner, job: SaveJob) -> None:
         super().__init__(data)
         self._writer_ref = weakref.ref(writer)
         self._job = job
@@ -224,7 +238,7 @@ class StagedStateDict(dict):  # type: ignore[type-arg]
 
 def track_future(
     fut: concurrent.futures.Future[Any],
-    writer_ref: weakref.ref[DataStatesWriter],
+    writer_ref: weakref.ref[JobOwner],
     job: SaveJob,
     pid: int,
 ) -> None:
@@ -543,6 +557,7 @@ class JobTable:
 
 __all__ = [
     "Binding",
+    "JobOwner",
     "JobTable",
     "StagedStateDict",
     "async_save_uses_process_executor",

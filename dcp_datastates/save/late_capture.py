@@ -16,7 +16,7 @@ stream-transform writers), in the save thread of one save; stateless.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -26,6 +26,30 @@ from ..errors import CheckpointSaveError
 from .capture import CapturedTensor, SaveJob, Stager
 from .contexts import SaveContext
 from .incremental import StageInfo
+
+if TYPE_CHECKING:
+    from ..config import WriterConfig
+    from ..engine import Engine
+    from ..format.layout import TemplateCache
+
+
+class ItemPlacer(Protocol):
+    """What the variants of placement (stream transforms, the safetensors format) use of the
+    torch format's :class:`~dcp_datastates.save.placement.Placer`: its configuration, engine and
+    archive templates, and its lookup or capture of each item's tensor."""
+
+    config: WriterConfig
+    _engine: Engine
+    _templates: TemplateCache
+
+    def captured_item(
+        self, ctx: SaveContext, job: SaveJob, staged_sd: Any, item: WriteItem,
+        planner: SavePlanner,
+    ) -> tuple[CapturedTensor, bool]: ...
+
+    def capture_late_many(
+        self, job: SaveJob, items: list[WriteItem], planner: SavePlanner
+    ) -> bool: ...
 
 logger = logging.getLogger("dcp_datastates.save.writer")
 

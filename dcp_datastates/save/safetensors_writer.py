@@ -41,7 +41,7 @@ from .capture import wait_written
 if TYPE_CHECKING:
     from .capture import CapturedTensor, SaveJob
     from .contexts import SaveContext
-    from .placement import Placer
+    from .late_capture import ItemPlacer
 
 
 @dataclass
@@ -83,7 +83,7 @@ class _Write:
 
 
 def write_safetensors(
-    placer: Placer, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
+    placer: ItemPlacer, ctx: SaveContext, job: SaveJob, plan: SavePlan, planner: SavePlanner
 ) -> list[WriteResult]:
     """Writes this rank's share of ``plan`` as safetensors files plus the side file of non-tensor
     values; returns the WriteResults once the data is durable and the manifest written.
@@ -113,7 +113,7 @@ def write_safetensors(
     return w.results
 
 
-def _captured_items(placer: Placer, w: _Write, plan: SavePlan, planner: SavePlanner) -> None:
+def _captured_items(placer: ItemPlacer, w: _Write, plan: SavePlan, planner: SavePlanner) -> None:
     """Sorts the plan's items: the tensor items with their captured records (captured now if
     the save had not, their dtype checked), in copy order, and the bytes items."""
     staged_sd = getattr(planner, "state_dict", None)
@@ -134,7 +134,7 @@ def _captured_items(placer: Placer, w: _Write, plan: SavePlan, planner: SavePlan
     w.tensors.sort(key=lambda p: (0 if p.cap.at_call else 1, p.cap.entry))
 
 
-def _assign_files(placer: Placer, w: _Write) -> int:
+def _assign_files(placer: ItemPlacer, w: _Write) -> int:
     """Assigns each tensor a file; returns how many files there are."""
     # Files: files_per_rank of them (1 for non-local URLs), each key at most once per file.
     want = min(placer.config.files_per_rank if w.d.local else 1, len(w.tensors))
@@ -160,7 +160,7 @@ def _assign_files(placer: Placer, w: _Write) -> int:
     return nfiles
 
 
-def _plan_headers(placer: Placer, w: _Write, nfiles: int) -> None:
+def _plan_headers(placer: ItemPlacer, w: _Write, nfiles: int) -> None:
     """Names the ``nfiles`` files and computes their headers, which fix each tensor's payload
     offset."""
     align = 4096 if placer.config.o_direct and w.d.local else 8
@@ -240,7 +240,7 @@ def _write_spilled(w: _Write) -> None:
         w.ext.append((p.cap.entry, p.payload, p.cap.nbytes, p.cap.spill.crc))
 
 
-def _write_manifest(placer: Placer, w: _Write) -> None:
+def _write_manifest(placer: ItemPlacer, w: _Write) -> None:
     """Writes the rank's manifest (once the data is durable): every tensor with its chunk
     records, then the non-tensor values."""
     by_entry: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
