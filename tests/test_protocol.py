@@ -160,6 +160,30 @@ def test_a_flush_failing_after_the_results_commits_nothing(
     healthy_save(w, path)  # the path is free again, and the writer keeps working
 
 
+def test_a_retry_right_after_a_failed_async_save_finds_the_path_free(
+    tmp_path: Any, make_writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The failed save's future completes before its thread lets go of the path's claim (the
+    # release runs as that thread ends). Here that release is slowed down: a retry made as soon
+    # as the caller saw the failure must wait for it, not fail with CheckpointBusyError.
+    from dcp_datastates.save import contexts
+
+    real_end = contexts.SaveContexts._end_context
+
+    def slow_end(self: Any, ctx: Any) -> None:
+        time.sleep(0.5)
+        real_end(self, ctx)
+
+    monkeypatch.setattr(contexts.SaveContexts, "_end_context", slow_end)
+    w: DataStatesWriter = make_writer()
+    path = str(tmp_path / "retried")
+    with results_gather_lost():
+        fut = dcp.async_save({"x": torch.randn(50_000)}, storage_writer=w, checkpoint_id=path)
+        with pytest.raises(BaseException, match="gather of the write results was lost"):
+            fut.result(timeout=T)
+    healthy_save(w, path)  # at once
+
+
 @pytest.mark.parametrize("mode", ["save", "async_save"])
 def test_dcp_stopping_between_write_and_finish_releases_the_save(
     tmp_path: Any, make_writer: Any, mode: str

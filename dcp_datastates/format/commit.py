@@ -70,7 +70,12 @@ _OWNED_TMP_RE = re.compile(r"^(?:\.metadata|__datastates_manifest_\d+\.json)(?:\
 _LOCK_ATTEMPTS = 16
 
 _active_lock = threading.Lock()
-_active_paths: set[str] = set()  # a directory is a process-wide resource, hence process-wide
+_released = threading.Condition(_active_lock)  # notified whenever a claim is released
+# A directory is a process-wide resource, hence process-wide: claim key -> the holder's "ended"
+# probe (True once its save's caller was told the save ended), or None.
+_active_paths: dict[str, Callable[[], bool] | None] = {}
+# How long a save waits for the claim of a save that already ended (see claim_path).
+ENDED_RELEASE_WAIT_S = 10.0
 _held_fds: dict[str, int] = {}  # claim key -> the flock'ed marker descriptor
 
 
@@ -88,15 +93,43 @@ def is_owned_name(name: str) -> bool:
     )
 
 
-def claim_path(key: str) -> None:
-    """Marks ``key`` as being saved to in this process; raises CheckpointBusyError if it is."""
-    with _active_lock:
-        if key in _active_paths:
-            raise CheckpointBusyError(
-                f"another save to {key} is still in progress in this process; wait for it "
-                "(future.result()) or save to a different checkpoint_id"
-            )
-        _active_paths.add(key)
+def claim_path(key: str, ended: Callable[[], bool] | None = None) -> None:
+    """Marks ``key`` as being saved to in this process; raises CheckpointBusyError if it is.
+
+    ``ended``: a probe of the claiming save, True once its caller was told that it ended (its
+    future is done). A save's future completes before the save's thread lets go of the claim
+    (the release runs as that thread ends), so a caller retrying at once after a failed
+    ``async_save`` could find the path still claimed by a save it was told had ended. A claim
+    whose holder has ended is therefore waited for, up to ``ENDED_RELEASE_WAIT_S``; a claim of
+    a save still in flight is refused at once.
+    """
+    deadline: float | None = None
+    with _released:
+        while key in _active_paths:
+            holder_ended = _active_paths[key]
+            if holder_ended is None or not _probe(holder_ended):
+                raise CheckpointBusyError(
+                    f"another save to {key} is still in progress in this process; wait for it "
+                    "(future.result()) or save to a different checkpoint_id"
+                )
+            if deadline is None:
+                deadline = time.monotonic() + ENDED_RELEASE_WAIT_S
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CheckpointBusyError(
+                    f"an earlier save to {key} ended but still holds the path after "
+                    f"{ENDED_RELEASE_WAIT_S:.0f} s (its save thread has not finished); save to a "
+                    "different checkpoint_id"
+                )
+            _released.wait(left)
+        _active_paths[key] = ended
+
+
+def _probe(ended: Callable[[], bool]) -> bool:
+    try:
+        return bool(ended())
+    except Exception:  # noqa: BLE001 - a broken probe means "not known to have ended"
+        return False
 
 
 def claimed_paths() -> set[str]:
@@ -114,7 +147,6 @@ def release_path(key: str, untouched: CheckpointDir | None = None) -> None:
     deferred and never ran); its marker goes too if it still holds a complete checkpoint.
     """
     with _active_lock:
-        _active_paths.discard(key)
         fd = _held_fds.pop(key, None)
     if fd is not None:
         if untouched is not None and untouched.local:
@@ -124,6 +156,10 @@ def release_path(key: str, untouched: CheckpointDir | None = None) -> None:
             except OSError:
                 pass  # a stale marker beside .metadata is harmless (the directory is complete)
         unlock_marker(fd)
+    # Last: a save of this process waiting for the claim (claim_path) then finds the marker free.
+    with _released:
+        _active_paths.pop(key, None)
+        _released.notify_all()
 
 
 def check_claim(key: str, d: CheckpointDir) -> None:
@@ -295,6 +331,7 @@ def claim_and_prepare(
     durable: bool,
     before_prepare: Callable[[], None] | None = None,
     remove_old: bool = True,
+    ended: Callable[[], bool] | None = None,
 ) -> str:
     """Step 1 (coordinator): claims ``d`` for one save and prepares it; returns the claim key.
 
@@ -304,9 +341,11 @@ def claim_and_prepare(
     claim, right before the overwritten checkpoint's files are removed: if it raises, nothing is
     removed and the claim is released. Without ``remove_old`` the caller removes them later
     (:meth:`CheckpointDir.prepare`, under this claim, before it names any file of its own).
+    ``ended``: the probe of this save :func:`claim_path` keeps (a later save waits for the
+    claim of a save whose caller was told it ended).
     """
     key = d.claim_key
-    claim_path(key)
+    claim_path(key, ended)
     try:
         if d.local:
             fd: int | None = None

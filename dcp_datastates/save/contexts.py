@@ -38,7 +38,7 @@ from ..errors import CheckpointExistsError, CheckpointSaveError
 from ..format.commit import METADATA_FILE, CheckpointDir, claim_and_prepare, release_path
 from ..runtime.gcpause import ProtocolPause
 from .capture import SaveJob
-from .jobs import JobTable
+from .jobs import JobTable, current_executor_future
 
 # How long a collector pause held until an async_save's release may last if that never comes.
 AFTER_SAVE_BACKSTOP_S = 10.0
@@ -134,8 +134,10 @@ def claim_path(
     ``SaveContext.removal_deferred``); on failure the claim is released inside
     (commit.claim_and_prepare) and the error raised.
     """
+    fut = current_executor_future()  # async_save: its future tells when its caller was told
     ctx.path_key = claim_and_prepare(
-        ctx.directory(), durable, before_prepare, remove_old=not defer_removal
+        ctx.directory(), durable, before_prepare, remove_old=not defer_removal,
+        ended=fut.done if fut is not None else None,
     )
     ctx.removal_deferred = defer_removal
 
