@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -365,6 +366,13 @@ def test_dropped_writer_is_collected_and_its_engine_closed(tmp_path: Any) -> Non
     engine = w.engine
     assert _native_threads() >= before + 4
     _save_three_ways(w, str(tmp_path))
+    # DCP's executor thread holds the writer (its work item's arguments) until it ends, which
+    # is after the save's future completed: the writer is ours to drop once DCP let go of it.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        t.name.startswith("AsyncCheckpointExecutor") for t in threading.enumerate()
+    ):
+        time.sleep(0.01)
     ref = weakref.ref(w)
     del w
     gc.collect()
