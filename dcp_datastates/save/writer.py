@@ -325,7 +325,7 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
         except BaseException as e:
             self._raise_write_failure(ctx, job, e)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(self._hand_over(ctx, job, plan, results, pending))  # completion.py
+        fut.set_result(self._hand_over(ctx, job, plan, results, pending))  # finish.py
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
