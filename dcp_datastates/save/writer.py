@@ -329,7 +329,7 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self._commit(self._context(), metadata, results)  # completion.py
+        self._commit(self._context(), metadata, results)  # finish.py
 
 
 __all__ = ["DataStatesWriter", "ProtectHandle"]
