@@ -3,8 +3,10 @@
 DataStatesWriter works with DCP's DefaultSavePlanner (what ``dcp.save``/``dcp.async_save`` use
 when no planner is given): it finds a save's captured tensors through ``planner.state_dict``. This
 subclass keeps every DefaultSavePlanner behaviour (flattening, deduplication of replicated items
-onto the least-loaded rank, plan caching) and only makes that contract explicit: the planner must
-keep the staged state dict it was set up with, unchanged, in ``self.state_dict``.
+onto the least-loaded rank, plan caching, the same global plans, metadata and validation errors),
+plans globally in time linear in the items (:mod:`.global_plan`; DCP's grows quadratically with
+the ranks), and makes that contract explicit: the planner must keep the staged state dict it was
+set up with, unchanged, in ``self.state_dict``.
 
 :func:`share_equal_values` is what the writer does to every local plan, whatever the planner:
 equal sizes and offsets shared by one object, so DCP's pickling of plans and ``.metadata``
@@ -27,6 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
+from ..runtime.gcpause import gc_paused
+from .global_plan import create_global_plan
+
 
 class DataStatesSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner with the staged-dict contract checked.
@@ -47,6 +52,17 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if not isinstance(getattr(self, "state_dict", None), dict):
             raise TypeError("DataStatesSavePlanner: the planner lost the staged state dict")
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DefaultSavePlanner's, in time linear in the items (global_plan.py); a subclass's own
+        ``_dedup_save_plans`` is DCP's code path."""
+        if type(self)._dedup_save_plans is not DefaultSavePlanner._dedup_save_plans:
+            return super()._create_global_plan(all_plans)
+        with gc_paused():  # an object per item, no cycles (runtime/gcpause.py)
+            result = create_global_plan(
+                all_plans, self.dedup_save_to_lowest_rank, self.flatten_state_dict
+            )
+        return result.plans, result.metadata
 
 
 def share_equal_values(plan: SavePlan) -> SavePlan:
