@@ -53,7 +53,7 @@ from .lifecycle import checkpoints  # dcp_datastates.checkpoints.prune(...) and 
 from .lifecycle.tiers import PersistError, resume_path
 from .restore.load import load
 from .restore.reader import DataStatesReader
-from .save.planner import DataStatesSavePlanner
+from .save.planner import DataStatesSavePlanner, planner
 from .save.writer import DataStatesWriter, ProtectHandle
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -77,6 +77,7 @@ __all__ = [
     "checkpoints",
     "load",
     "parse_size",
+    "planner",
     "resume_path",
     "verify_checkpoint",
 ]
