@@ -400,3 +400,23 @@ def test_ties_are_broken_as_dcp_s_set_order_breaks_them() -> None:
                             planner_data={})
     gs, _ = _assert_same(plans)
     assert [len(p.items) for p in gs] == [0] * 8 + [1]
+
+
+def test_older_torch_validation_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch before 2.10: ``_validate_global_plan`` returns a bool, and DCP raises without the
+    details (they were logged)."""
+    from dcp_datastates.save import global_plan
+
+    seen: list[list[str]] = []
+
+    def old_style(global_plan: Any, metadata: Any) -> bool:
+        seen.append(list(metadata.state_dict_metadata))
+        return False
+
+    plans = [SavePlan([_item("w", [o, 0], [4, 4], [8, 4], torch.float32)], planner_data={})
+             for o in (0, 3)]
+    plans[0].items.append(_item("ok", [0], [3], [3], torch.float32, WriteItemType.TENSOR))
+    monkeypatch.setattr(global_plan, "_validate_global_plan", old_style)
+    with pytest.raises(ValueError, match=r"^Failed to validate global plan$"):
+        global_plan.create_global_plan(plans)
+    assert seen == [["w"]]  # only the tensor that may be invalid went to DCP's code

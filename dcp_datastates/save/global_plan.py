@@ -95,8 +95,8 @@ def create_global_plan(
     """DCP's ``DefaultSavePlanner._create_global_plan`` for these arguments (its
     ``dedup_save_to_lowest_rank`` and ``flatten_state_dict``), raising what it raises."""
     keys = [[(ix.fqn, ix.offset) for ix in map(_INDEX, p.items)] for p in all_plans]
-    selected = _dedup(all_plans, keys, dedup_to_lowest)
-    built = None if selected is None else _build(all_plans, keys, selected)
+    dropped = _dedup(all_plans, keys, dedup_to_lowest)
+    built = None if dropped is None else _build(all_plans, keys, dropped)
     if built is None:  # something DCP treats specially: its own code, for the same outcome
         return _stock(all_plans, dedup_to_lowest, flatten)
     plans, md, hints = built
@@ -120,12 +120,16 @@ def _stock(all_plans: Sequence[SavePlan], dedup_to_lowest: bool, flatten: bool) 
 
 
 def _raise_invalid(plans: list[SavePlan], metadata: Metadata) -> None:
+    """DefaultSavePlanner._create_global_plan's refusal of an invalid plan, in its words."""
     errors = validation_errors(len(plans), metadata)
-    if errors:  # DCP's words (DefaultSavePlanner._create_global_plan)
-        error_summary = "; ".join(errors)
-        if len(error_summary) > 500:
-            error_summary = error_summary[:500] + "... (truncated)"
-        raise ValueError(f"Failed to validate global plan: {error_summary}")
+    if errors is True or errors == []:
+        return
+    if errors is False:  # torch before 2.10: a bool, the details in DCP's warnings
+        raise ValueError("Failed to validate global plan")
+    error_summary = "; ".join(errors)
+    if len(error_summary) > 500:
+        error_summary = error_summary[:500] + "... (truncated)"
+    raise ValueError(f"Failed to validate global plan: {error_summary}")
 
 
 def plan_hints(local: SavePlan, planned: SavePlan) -> array | None:
@@ -151,27 +155,25 @@ def plan_hints(local: SavePlan, planned: SavePlan) -> array | None:
 
 def _dedup(
     all_plans: Sequence[SavePlan], keys: list[list[Key]], dedup_to_lowest: bool
-) -> dict[Key, int] | None:
-    """The rank each replicated item is kept on (DCP's ``dedup_save_plans``); items absent from
-    the result appear once. None when a plan holds an item twice (DCP's code handles that)."""
+) -> dict[int, list[int]] | None:
+    """DCP's ``dedup_save_plans``: the positions of the items each plan drops (a replicated
+    item is kept by one plan), in order; None when a plan holds an item twice (DCP's code
+    handles that)."""
     owner: dict[Key, int] = {}  # the first plan holding each item
     first = owner.setdefault
-    for p, ks in enumerate(keys):
-        for k in ks:
-            first(k, p)
-    total = sum(map(len, keys))
-    if len(owner) == total:
+    later = [[j for j, k in enumerate(ks) if first(k, p) != p] for p, ks in enumerate(keys)]
+    repeats = sum(map(len, later))
+    if len(owner) + repeats != sum(map(len, keys)):
+        return None  # twice in the plan holding it first
+    if not repeats:
         return {}
     # The set of plans holding each replicated item, built as DCP builds it (a set's iteration
     # order breaks ties in its min()), and the last of its items (whose size DCP counts).
     sets: dict[Key, set[int]] = {}
     last: dict[Key, WriteItem] = {}
-    repeats = 0
-    for p, ks in enumerate(keys):
-        later = [j for j, k in enumerate(ks) if owner[k] != p]
-        repeats += len(later)
-        items = all_plans[p].items
-        for j in later:
+    for p, js in enumerate(later):
+        ks, items = keys[p], all_plans[p].items
+        for j in js:
             k = ks[j]
             s = sets.get(k)
             if s is None:
@@ -182,11 +184,15 @@ def _dedup(
             if len(s) == n:
                 return None  # twice in plan p
             last[k] = items[j]
-    if len(owner) + repeats != total:
-        return None  # twice in the plan holding it first
-    if dedup_to_lowest:
-        return {k: owner[k] for k in sets}  # min(plans) is the first
-    return _least_loaded(all_plans, keys, owner, sets, last)
+    if dedup_to_lowest:  # min(plans) is the first: every later occurrence is dropped
+        return {p: js for p, js in enumerate(later) if js}
+    selected, dropped = _least_loaded(all_plans, keys, owner, sets, last)
+    for p, js in enumerate(later):
+        ks = keys[p]
+        gone = [j for j in js if selected[ks[j]] != p]
+        if gone:
+            dropped[p] = sorted(dropped.get(p, []) + gone)
+    return dropped
 
 
 def _least_loaded(
@@ -195,16 +201,27 @@ def _least_loaded(
     owner: dict[Key, int],
     sets: dict[Key, set[int]],
     last: dict[Key, WriteItem],
-) -> dict[Key, int]:
+) -> tuple[dict[Key, int], dict[int, list[int]]]:
     """DCP's choice for each replicated item: the plan with the least storage planned so far,
-    items taken in the order of their first occurrence. Stops at the last decision."""
+    items taken in the order of their first occurrence; and the positions of first occurrences
+    given to another plan.
+
+    An item's first occurrence is in the lowest plan holding it, so when DCP decides, every
+    other plan it could choose comes later: their sizes so far are the replicated items given
+    to them, none of their own yet. Only the plans where replicated items first occur are
+    read, each up to its last such item.
+    """
     planned = [0] * len(all_plans)
     load = planned.__getitem__
     selected: dict[Key, int] = {}
-    remaining = len(sets)
-    for p, ks in enumerate(keys):
+    dropped: dict[int, list[int]] = {}
+    pending: dict[int, int] = {}  # plan -> replicated items first occurring in it
+    for k in sets:
+        pending[owner[k]] = pending.get(owner[k], 0) + 1
+    for p in sorted(pending):
         items = all_plans[p].items
-        for j, k in enumerate(ks):
+        left = pending[p]
+        for j, k in enumerate(keys[p]):
             if owner[k] != p:
                 continue  # decided at its first occurrence
             s = sets.get(k)
@@ -214,10 +231,12 @@ def _least_loaded(
             pick = min(s, key=load)
             planned[pick] += _storage_size(last[k])
             selected[k] = pick
-            remaining -= 1
-            if not remaining:
-                return selected
-    return selected
+            if pick != p:
+                dropped.setdefault(p, []).append(j)
+            left -= 1
+            if not left:
+                break
+    return selected, dropped
 
 
 _ELEMENT_SIZES: dict[torch.dtype, int] = {}
@@ -239,26 +258,35 @@ def _storage_size(item: WriteItem) -> int:
 
 
 def _build(
-    all_plans: Sequence[SavePlan], keys: list[list[Key]], selected: dict[Key, int]
+    all_plans: Sequence[SavePlan], keys: list[list[Key]], dropped: dict[int, list[int]]
 ) -> tuple[list[SavePlan], dict[str, Any], list[array]] | None:
-    """The global plans, the metadata entries and the hints, in one pass; None where DCP's
-    ``create_default_global_save_plan`` raises (its code then raises it)."""
+    """The global plans, the metadata entries and the hints, in one pass, without the items at
+    ``dropped`` positions; None where DCP's ``create_default_global_save_plan`` raises (its
+    code then raises it)."""
     md: dict[str, Any] = {}
     plans: list[SavePlan] = []
     all_hints: list[array] = []
-    get = md.get
-    pick = selected.get
-    new = object.__new__
-    setf = object.__setattr__
     for p, plan in enumerate(all_plans):
-        items: list[WriteItem] = []
-        hints = array("i")
-        keep = items.append
-        hint = hints.append
-        for item, k in zip(plan.items, keys[p], strict=True):
-            if selected and pick(k, p) != p:
-                hint(DROPPED)
-                continue
+        items = _global_items(plan.items, keys[p], dropped.get(p, ()), md, hints := array("i"))
+        if items is None:
+            return None
+        plans.append(dataclasses.replace(plan, items=items))
+        all_hints.append(hints)
+    return plans, md, all_hints
+
+
+def _global_items(
+    local: list[WriteItem], keys: list[Key], drop: Sequence[int], md: dict[str, Any],
+    hints: array,
+) -> list[WriteItem] | None:
+    """One plan's global items (a new item with its index hint for each tensor item, as
+    ``create_default_global_save_plan`` makes them), its chunks added to ``md``."""
+    items: list[WriteItem] = []
+    keep, hint, get = items.append, hints.append, md.get
+    new, setf = object.__new__, object.__setattr__
+    start = 0
+    for stop in (*drop, len(local)):  # the runs of items between dropped ones
+        for item, k in zip(local[start:stop], keys[start:stop], strict=True):
             fqn = k[0]
             cur = get(fqn)
             typ = item.type
@@ -302,9 +330,10 @@ def _build(
             keep(item)
             hint(h)
             chunks.append(td.chunk)
-        plans.append(dataclasses.replace(plan, items=items))
-        all_hints.append(hints)
-    return plans, md, all_hints
+        if stop < len(local):
+            hint(DROPPED)
+        start = stop + 1
+    return items
 
 
 def merge_planner_data(plans: Sequence[SavePlan]) -> dict[Any, Any]:
@@ -322,9 +351,10 @@ def merge_planner_data(plans: Sequence[SavePlan]) -> dict[Any, Any]:
 # --- validation ------------------------------------------------------------------------------
 
 
-def validation_errors(n_plans: int, metadata: Metadata) -> list[str]:
-    """``_validate_global_plan`` (its messages, in its order, and its warnings logged): the
-    tensors that might be invalid are found vectorized, and only those go through DCP's code."""
+def validation_errors(n_plans: int, metadata: Metadata) -> Any:
+    """``_validate_global_plan``'s result (its messages in its order, or in torch before 2.10
+    whether the plan is valid; its warnings logged): the tensors that might be invalid are found
+    vectorized, and only those go through DCP's code (an empty list when there are none)."""
     groups: dict[int, list[tuple[str, TensorStorageMetadata]]] = {}
     for key, value in metadata.state_dict_metadata.items():
         if isinstance(value, BytesStorageMetadata):
@@ -334,9 +364,9 @@ def validation_errors(n_plans: int, metadata: Metadata) -> list[str]:
         if len(value.size):
             groups.setdefault(len(value.size), []).append((key, value))
     suspects: set[str] = set()
-    with _one_thread():
+    with _one_thread():  # coverage checked whatever the plan count (torch before 2.10 did)
         for ndim, entries in groups.items():
-            suspects.update(entries[i][0] for i in _suspects(ndim, entries, n_plans > 1))
+            suspects.update(entries[i][0] for i in _suspects(ndim, entries, True))
     if not suspects:
         return []
     sub = {k: v for k, v in metadata.state_dict_metadata.items() if k in suspects}

@@ -26,6 +26,7 @@ final metadata in ``finish()``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ from ..runtime.gcpause import gc_paused
 from . import plan_cache
 from .global_plan import create_global_plan, plan_hints
 
+_BASE_ARGUMENTS = frozenset(inspect.signature(DefaultSavePlanner.__init__).parameters)
+
 
 class DataStatesSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner with a linear global planning and structure-keyed plan caching.
@@ -63,13 +66,15 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         dedup_save_to_lowest_rank: bool = False,
         enable_plan_caching: bool = True,
     ) -> None:
-        super().__init__(
-            flatten_state_dict=flatten_state_dict,
-            flatten_sharded_tensors=flatten_sharded_tensors,
-            dedup_replicated_tensors=dedup_replicated_tensors,
-            dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
-            enable_plan_caching=enable_plan_caching,
-        )
+        kwargs: dict[str, Any] = {
+            "flatten_state_dict": flatten_state_dict,
+            "flatten_sharded_tensors": flatten_sharded_tensors,
+            "dedup_replicated_tensors": dedup_replicated_tensors,
+            "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
+        }  # those this torch's DefaultSavePlanner takes (caching is ours)
+        super().__init__(**{k: v for k, v in kwargs.items() if k in _BASE_ARGUMENTS})
+        self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
+        self._enable_plan_caching = enable_plan_caching  # ours (DCP's own is never used)
         self._structure: bytes | None = None
         self._pending: plan_cache.Pending | None = None
         self._hints: list[Any] | None = None
@@ -116,7 +121,9 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DefaultSavePlanner's, in time linear in the items (global_plan.py); a subclass's own
         ``_dedup_save_plans`` is DCP's code path."""
-        if type(self)._dedup_save_plans is not DefaultSavePlanner._dedup_save_plans:
+        if getattr(type(self), "_dedup_save_plans", None) is not getattr(
+            DefaultSavePlanner, "_dedup_save_plans", None
+        ):
             self._hints = None
             return super()._create_global_plan(all_plans)
         with gc_paused():  # an object per item, no cycles (runtime/gcpause.py)
