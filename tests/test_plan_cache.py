@@ -355,3 +355,50 @@ def test_same_model_new_values_reuses_the_plan_and_loads_exact(tmp_path: Any) ->
     assert len(planned) == 1
     for i in range(3):
         assert _same(saved[i], _load_from_metadata(f"{tmp_path}/s{i}"))
+
+
+def _key_of(sd: dict[str, Any], **kwargs: Any) -> bytes:
+    from dcp_datastates import DataStatesSavePlanner
+
+    p = DataStatesSavePlanner(**kwargs)
+    p.set_up_planner(sd, None, True)
+    plan = p.create_local_plan()
+    return plan.planner_data.key  # type: ignore[no-any-return]
+
+
+def test_structure_keys_follow_structure_not_values() -> None:
+    from dcp_datastates.save import plan_cache
+
+    plan_cache.clear()
+    base = {"m": {"w": torch.zeros(4, 2), "b": torch.zeros(2)}, "step": 3}
+    key = _key_of(base)
+    assert _key_of({"m": {"w": torch.ones(4, 2), "b": torch.ones(2)}, "step": 4}) == key
+    changed = [
+        {"m": {"w": torch.zeros(4, 2, dtype=torch.bfloat16), "b": torch.zeros(2)}, "step": 3},
+        {"m": {"w": torch.zeros(4, 3), "b": torch.zeros(2)}, "step": 3},
+        {"m.w": torch.zeros(4, 2), "m.b": torch.zeros(2), "step": 3},  # same names, nesting
+        {"m": {"b": torch.zeros(2), "w": torch.zeros(4, 2)}, "step": 3},  # order
+        {"m": {"w": torch.zeros(4, 2), "b": torch.zeros(2)}},
+    ]
+    keys = {_key_of(sd) for sd in changed} | {_key_of(base, dedup_save_to_lowest_rank=True)}
+    assert key not in keys and len(keys) == len(changed) + 1
+
+
+def test_structure_keys_are_the_same_in_every_process() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch\n"
+        "from test_plan_cache import _key_of\n"
+        "print(_key_of({'m': {'w': torch.zeros(4, 2)}, 'names': ['a', 'b'], 'n': 1}).hex())\n"
+    )
+    outs = set()
+    for seed in ("1", "2"):  # str hashes differ between these processes; keys must not
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                             text=True, cwd=Path(__file__).parent,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        outs.add(out.stdout.strip())
+    assert len(outs) == 1, outs

@@ -136,8 +136,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     def create_global_plan(
         self, all_plans: list[SavePlan]
     ) -> tuple[list[SavePlan], Metadata]:
-        resolved = plan_cache.COORDINATOR.resolve(all_plans)
         self._pending = None
+        resolved = plan_cache.COORDINATOR.resolve(all_plans)
         if not self._enable_plan_caching:
             self.global_plan, self.metadata = self._create_global_plan(resolved.plans)
             return self.global_plan, self.metadata
