@@ -403,7 +403,7 @@ def test_ties_are_broken_as_dcp_s_set_order_breaks_them() -> None:
 
 
 def test_older_torch_validation_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch before 2.10: ``_validate_global_plan`` returns a bool, and DCP raises without the
+    """Older torch: ``_validate_global_plan`` returns a bool, and DCP raises without the
     details (they were logged)."""
     from dcp_datastates.save import global_plan
 
@@ -420,3 +420,19 @@ def test_older_torch_validation_is_followed(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValueError, match=r"^Failed to validate global plan$"):
         global_plan.create_global_plan(plans)
     assert seen == [["w"]]  # only the tensor that may be invalid went to DCP's code
+
+
+def test_benchmark_runs_and_checks_equality(tmp_path: Any) -> None:
+    """benchmarks/global_plan.py at a small size: DCP's and ours agree, every column filled."""
+    import json
+
+    from benchmarks import global_plan as bench
+
+    out = tmp_path / "gp.json"
+    assert bench.main(["--layout", "small", "--ranks", "8", "--stock-ranks", "8", "--repeat",
+                       "1", "--in-process", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["equal"] is True and row["items"] == 800
+    for k in ("stock_first_s", "ours_first_s", "stock_cached_s", "ours_cached_s", "rank_key_ms"):
+        assert row[k] > 0, k
+    assert "| small | 8 |" in bench.table([row])

@@ -124,7 +124,7 @@ def _raise_invalid(plans: list[SavePlan], metadata: Metadata) -> None:
     errors = validation_errors(len(plans), metadata)
     if errors is True or errors == []:
         return
-    if errors is False:  # torch before 2.10: a bool, the details in DCP's warnings
+    if errors is False:  # older torch: a bool, the details in DCP's warnings
         raise ValueError("Failed to validate global plan")
     error_summary = "; ".join(errors)
     if len(error_summary) > 500:
@@ -352,7 +352,7 @@ def merge_planner_data(plans: Sequence[SavePlan]) -> dict[Any, Any]:
 
 
 def validation_errors(n_plans: int, metadata: Metadata) -> Any:
-    """``_validate_global_plan``'s result (its messages in its order, or in torch before 2.10
+    """``_validate_global_plan``'s result (its messages in its order, or in older torch
     whether the plan is valid; its warnings logged): the tensors that might be invalid are found
     vectorized, and only those go through DCP's code (an empty list when there are none)."""
     groups: dict[int, list[tuple[str, TensorStorageMetadata]]] = {}
@@ -364,7 +364,7 @@ def validation_errors(n_plans: int, metadata: Metadata) -> Any:
         if len(value.size):
             groups.setdefault(len(value.size), []).append((key, value))
     suspects: set[str] = set()
-    with _one_thread():  # coverage checked whatever the plan count (torch before 2.10 did)
+    with _one_thread():  # coverage checked whatever the plan count (older torch did)
         for ndim, entries in groups.items():
             suspects.update(entries[i][0] for i in _suspects(ndim, entries, True))
     if not suspects:

@@ -136,6 +136,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     def create_global_plan(
         self, all_plans: list[SavePlan]
     ) -> tuple[list[SavePlan], Metadata]:
+        with gc_paused():  # no collection walking the ranks' plans while every rank waits
+            return self._plan_globally(all_plans)
+
+    def _plan_globally(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         self._pending = None
         resolved = plan_cache.COORDINATOR.resolve(all_plans)
         if not self._enable_plan_caching:
