@@ -54,7 +54,7 @@ from .lifecycle.tiers import PersistError, resume_path
 from .restore.load import load
 from .restore.reader import DataStatesReader
 from .save.controls import ProtectHandle
-from .save.planner import DataStatesSavePlanner
+from .save.planner import DataStatesSavePlanner, planner
 from .save.writer import DataStatesWriter
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -78,6 +78,7 @@ __all__ = [
     "checkpoints",
     "load",
     "parse_size",
+    "planner",
     "resume_path",
     "verify_checkpoint",
 ]
