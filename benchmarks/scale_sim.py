@@ -399,8 +399,9 @@ class Simulation:
         root = tempfile.mkdtemp(prefix="save-", dir=self.cfg.root)
         path = self.ckpt = os.path.join(root, "step-1")
         rank_planner = self._planner(False, "rank")
-        plan_r = self._rank_local_plan("save", rank_planner)
+        # DCP sets the writer up before create_local_plan (ours: its collector pause begins)
         rank_w = self._writer(path, r, False)
+        plan_r = self._rank_local_plan("save", rank_planner)
         plan_r = m.step("save", "prepare_local_plan", "rank",
                         lambda: rank_w.prepare_local_plan(plan_r))
         blob_r = m.step("save", "gather_send", "rank", lambda: _dumps(plan_r),
@@ -593,10 +594,10 @@ class Simulation:
         self._warm_cache(root)
         path = os.path.join(root, "step-3")
         rank_p = self._planner(True, "rank")
+        rank_w = self._writer(path, r, False)
         plan_r = self._rank_local_plan("save_repeat", rank_p)
         if plan_r.usable or plan_r.items:
             raise AssertionError("the cached local plan was not reused")
-        rank_w = self._writer(path, r, False)
         plan_r = m.step("save_repeat", "prepare_local_plan", "rank",
                         lambda: rank_w.prepare_local_plan(plan_r))
         blob_r = m.step("save_repeat", "gather_send", "rank", lambda: _dumps(plan_r),
@@ -1111,9 +1112,20 @@ def _one_point(a: argparse.Namespace, res: dict[str, Any], layout: str, n: int, 
     if why is None and proj is not None and proj > budget:
         why = (f"projected {proj / GIB:.1f} GiB resident (bytes per rank-item measured at "
                f"{done[(layout, c)]['ranks']} ranks) > budget {budget / GIB:.1f} GiB")
+    root = tempfile.mkdtemp(prefix=f"{layout}-{n}-{c}-", dir=base)
     cfg = PointConfig(a.model, layout, n, c, tp=a.tp, shard_group=a.shard_group,
                       repeat=not a.no_repeat, store_threads=a.store_threads,
-                      trace=n <= a.tracemalloc_ranks, root=base)
+                      trace=n <= a.tracemalloc_ranks, root=root)
+    try:
+        _run_or_skip(a, res, key, cfg, items, why, budget, stopped, done)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # its checkpoints
+
+
+def _run_or_skip(a: argparse.Namespace, res: dict[str, Any], key: str, cfg: PointConfig,
+                 items: int, why: str | None, budget: int, stopped: dict[tuple[str, str], str],
+                 done: dict[tuple[str, str], dict[str, Any]]) -> None:
+    layout, n, c = cfg.layout, cfg.ranks, cfg.contender
     if why is not None:
         pt: dict[str, Any] = {"status": "skipped", "error": why}
         print(f"   {key}: skipped ({why})", flush=True)
