@@ -97,6 +97,7 @@ from benchmarks.scale_layouts import (  # noqa: E402
 
 CONTENDERS = ("stock", "ours")
 GIB = 1 << 30
+MEM_FLOOR = GIB  # a point is stopped when the machine has less available than this
 # Steps in the order a save runs them ("." marks a part of the step before it).
 SAVE_STEPS = (
     ("create_local_plan", "rank"),
@@ -528,7 +529,9 @@ class Simulation:
         forked child: a load runs in a fresh process, with the collector on (the child starts
         without the writer's pauses, dcp_datastates/runtime/gcpause.py) and without the save's
         objects to scan (frozen before the fork)."""
-        gc.collect()
+        from benchmarks.metrics import release_memory
+
+        release_memory()
         gc.freeze()
         try:
             self.meter.records += in_child(self._load, self.meter)
@@ -653,11 +656,15 @@ class Simulation:
 
     # --------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        from benchmarks.metrics import release_memory
+
         try:
             self.save()
+            release_memory()  # between phases, untimed: what the save freed goes back
             self.durability()
             self.load()
             if self.cfg.repeat:
+                release_memory()
                 self.save_repeat()
         finally:
             for w in self.writers:
@@ -792,6 +799,18 @@ def _point_main(cfg: PointConfig, conn: Any) -> None:
         conn.close()
 
 
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its children (a point forks its load step)."""
+    total = _rss_of(pid)
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(_tree_rss(int(c)) for c in f.read().split())
+    except OSError:
+        pass
+    return total
+
+
 def _rss_of(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -822,10 +841,17 @@ def _run_child(cfg: PointConfig, timeout_s: float, mem_budget: int) -> dict[str,
             break
         if not p.is_alive():
             break
-        peak = max(peak, _rss_of(p.pid))
-        if peak > mem_budget:
+        rss = _tree_rss(p.pid)
+        peak = max(peak, rss)
+        if rss > mem_budget:
             status = "out of memory budget"
             msg = {"ok": False, "error": f"resident memory passed {mem_budget / GIB:.1f} GiB"}
+            break
+        if _mem_available() < MEM_FLOOR:
+            status = "out of memory"
+            msg = {"ok": False, "error": f"the machine's available memory fell below "
+                   f"{MEM_FLOOR / GIB:g} GiB with the point at {rss / GIB:.1f} GiB "
+                   "(other processes share the machine)"}
             break
         if time.monotonic() - t0 > timeout_s:
             status = "timed out"
@@ -839,8 +865,11 @@ def _run_child(cfg: PointConfig, timeout_s: float, mem_budget: int) -> dict[str,
         p.join()
     out: dict[str, Any] = {"wall_s": time.monotonic() - t0, "peak_rss_bytes": peak}
     if msg is None:
-        msg = {"ok": False, "error": f"the point's process died (exit code {p.exitcode})"}
-        status = "crashed"
+        why = (" (SIGKILL: the kernel's out-of-memory killer, most likely)"
+               if p.exitcode == -9 else "")
+        msg = {"ok": False, "error": f"the point's process died, exit code {p.exitcode}{why}, "
+               f"at {peak / GIB:.1f} GiB resident"}
+        status = "out of memory" if p.exitcode == -9 else "crashed"
     if msg.get("ok"):
         out.update(status="measured", records=msg["records"], info=msg["info"])
     else:
