@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # noqa: E402
 from torch.distributed.checkpoint.storage import StorageWriter  # noqa: E402
 
+import dcp_datastates  # noqa: E402
 from dcp_datastates.lifecycle.checkpoints import (  # noqa: E402
     RetentionPolicy,
     cleanup_incomplete,
@@ -359,6 +360,7 @@ class Checkpointer:
                 checkpoint_id=path,
                 process_group=self.pg,
                 no_dist=self.no_dist,
+                planner=dcp_datastates.planner(),
             )
         else:
             resp = dcp.async_save(
@@ -367,6 +369,7 @@ class Checkpointer:
                 checkpoint_id=path,
                 process_group=self.pg,
                 no_dist=self.no_dist,
+                planner=dcp_datastates.planner(),
             )
             # an async stager makes async_save return an AsyncSaveResponse
             fut = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp

@@ -64,6 +64,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ..errors import CheckpointSaveError
+from ..save.planner import planner
 from .config import writer_kwargs
 from .pack import MapLocation, load_packed, pack
 
@@ -318,6 +319,7 @@ class DataStatesModelParallelStrategy(ModelParallelStrategy):
             storage_writer=self.writer,
             checkpoint_id=key,
             process_group=self._ckpt_group,
+            planner=planner(),
         ))
         self._saves.start(key, fut)
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
+from ..save.planner import planner
 from ..save.writer import DataStatesWriter
 from .config import writer_kwargs
 
@@ -113,8 +114,11 @@ class DataStatesCheckpointManager(CheckpointManager):
                 storage_writer=writer,
                 checkpoint_id=checkpoint_id,
                 process_group=self.pg,
+                planner=planner(),
             )
-        dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+        dcp.save(
+            state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, planner=planner()
+        )
         return None
 
     def _close(self) -> None:
