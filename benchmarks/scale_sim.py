@@ -64,7 +64,6 @@ import dataclasses
 import datetime as _dt
 import gc
 import io
-import json
 import multiprocessing as mp
 import os
 import pickle
@@ -460,6 +459,7 @@ class Simulation:
     def _results(self, global_plans: list[Any]) -> list[bytes]:
         """Every rank's pickled write results (each rank's own work: untimed, but for the
         measured rank's pickling)."""
+        from dcp_datastates.save.rank_commit import Ticket
         from dcp_datastates.save.wire import CompactWriteResults
 
         def wire_form(q: int) -> Any:
@@ -468,7 +468,7 @@ class Simulation:
                 return res
             res = CompactWriteResults(res)
             if q != 0:  # async_save: handed over before durable, reported through the store
-                res.awaited = (q, uuid.uuid4().hex)
+                res.awaited = Ticket(q, uuid.uuid4().hex, "0-simulated00")
             return res
 
         blobs: list[bytes] = []
@@ -590,7 +590,6 @@ class Simulation:
     def save_repeat(self) -> None:
         """A first save with ``enable_plan_caching=True`` (untimed: it fills DCP's caches), then
         the second save of the same structure, timed."""
-        from torch.distributed.checkpoint.planner import SavePlan
 
         m, n, r = self.meter, self.n, self.rank
         root = tempfile.mkdtemp(prefix="repeat-", dir=self.cfg.root)
@@ -605,8 +604,8 @@ class Simulation:
                         lambda: rank_w.prepare_local_plan(plan_r))
         blob_r = m.step("save_repeat", "gather_send", "rank", lambda: _dumps(plan_r),
                         wire=lambda b: _wire([b]))
-        with untimed():  # every other rank's plan is unchanged: the same empty plan
-            blobs = [_dumps(rank_w.prepare_local_plan(SavePlan([], usable=False)))
+        with untimed():  # every other rank's plan is unchanged: the same empty plan (ours: a
+            blobs = [_dumps(rank_w.prepare_local_plan(self._unchanged_plan(q)))  # reference)
                      if q != r else blob_r for q in range(n)]
         coord_w = self._writer(path, 0, True)
         plans = m.step("save_repeat", "gather_plans", "coordinator",
@@ -623,6 +622,9 @@ class Simulation:
         final = m.step("save_repeat", "finish_plan", "rank", lambda: rank_p.finish_plan(got))
         if len(final.items) != len(self._cached_rank_plan.items):
             raise AssertionError("finish_plan did not return the cached final plan")
+        if self.ours:
+            with untimed():
+                coord_p.finish_plan(delta[0])  # the coordinator's own end of the planning
         m.skip("save_repeat", "gather_results_send", "rank",
                "as in the first save: the results are not cached by DCP", status="same")
         self._finish("save_repeat", coord_w, metadata)
@@ -641,6 +643,8 @@ class Simulation:
             mappings = self.builder.mappings()
             plans = [rank_w.prepare_local_plan(self.builder.local_plan(q, mappings))
                      for q in range(self.n)]
+            if self.ours:  # each rank's plan carries its structure key (plan_cache.py)
+                plans = [self._keyed(p, rank_p) for p in plans]
         coord_w = self._writer(path, 0, True)
         coord_p = self._planner(True, "coordinator")
         coord_p.set_up_planner({}, is_coordinator=True)
@@ -648,11 +652,42 @@ class Simulation:
             global_plans, metadata = coord_p.create_global_plan(plans)
             global_plans = coord_w.prepare_global_plan(global_plans)
             del plans
+            if self.ours:  # what every rank will send next time: its key, its plan's token
+                pending = coord_p._pending
+                self._refs = list(zip(pending.resolved.keys, pending.entry.tokens, strict=True))
+                coord_p.finish_plan(global_plans[0])  # the coordinator's cache is filled here
             self._cached_rank_plan = rank_p.finish_plan(global_plans[self.rank])
             results = [_results_for(global_plans[q], q, self.builder, self.cfg.contender)
                        for q in range(self.n)]
         coord_w.finish(metadata, results)  # the cached metadata now holds its storage data
-        assert rank_p._cached_plans_key in SavePlanner._cached_save_plan
+        if not self.ours:
+            assert rank_p._cached_plans_key in SavePlanner._cached_save_plan
+
+    @staticmethod
+    def _keyed(plan: Any, planner: Any) -> Any:
+        """``plan`` as our planner's ``create_local_plan`` sends it on a first save: with the
+        key of its structure."""
+        import dataclasses
+
+        from dcp_datastates.save import plan_cache
+
+        if isinstance(plan.planner_data, plan_cache.KeyedPlannerData):
+            return plan
+        key = plan_cache.structure_key(plan, planner._config())
+        return dataclasses.replace(
+            plan, planner_data=plan_cache.KeyedPlannerData(plan.planner_data, key))
+
+    def _unchanged_plan(self, q: int) -> Any:
+        """What rank ``q`` sends on a repeated save of its structure: DCP's empty plan (stock)
+        or a reference to its cached global plan (ours)."""
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        if not self.ours:
+            return SavePlan([], usable=False)
+        from dcp_datastates.save.plan_cache import CachedPlanRef
+
+        key, token = self._refs[q]
+        return SavePlan([], usable=False, planner_data=CachedPlanRef(key, token))
 
     # --------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -720,11 +755,11 @@ def durability_round(n: int, threads: int, meter: Meter | None = None,
                for _ in range(max(1, threads))]
     where = "simulated"
 
-    def report_all(ids: dict[int, str]) -> None:
+    def report_all(ids: list[Any]) -> None:
         def worker(k: int) -> None:
-            for q in list(ids)[k::len(clients)]:
-                if q not in drop:
-                    rank_commit.report(clients[k], q, ids[q], None)
+            for t in ids[k::len(clients)]:
+                if t.rank not in drop:
+                    rank_commit.report(clients[k], t, None)
 
         ts = [threading.Thread(target=worker, args=(k,)) for k in range(len(clients))]
         for t in ts:
@@ -732,19 +767,21 @@ def durability_round(n: int, threads: int, meter: Meter | None = None,
         for t in ts:
             t.join()
 
-    def ids() -> dict[int, str]:
-        return {q: uuid.uuid4().hex for q in range(1, n)}
+    def ids() -> list[Any]:
+        group = rank_commit.group_of(where)
+        return [rank_commit.Ticket(q, uuid.uuid4().hex, group) for q in range(1, n)]
 
-    def report_bytes(d: dict[int, str]) -> dict[str, int]:
-        body = sum(len(rank_commit._key(s)) + len(json.dumps({"rank": q, "error": None}))
-                   for q, s in d.items())
+    def report_bytes(d: list[Any]) -> dict[str, int]:
+        # per report: an append of "rank:save_id;" to the group's list, an add to its counter
+        body = sum(len(rank_commit._who_key(t.group)) + len(t.entry())
+                   + len(rank_commit._count_key(t.group)) + 8 for t in d)
         return {"wire_bytes": body, "wire_objects": len(d)}
 
     step = meter.step if meter is not None else (lambda *a, **k: a[3]())
     first = ids()
     step("save", "durability_report", "ranks", lambda: report_all(first),
          wire=lambda _: report_bytes(first),
-         note=f"{n - 1} reports from {len(clients)} client threads (store.set each)")
+         note=f"{n - 1} reports from {len(clients)} client threads (an append and an add each)")
     step("save", "durability_wait", "coordinator",
          lambda: rank_commit.wait_for_ranks(server, first, where, timeout_s),
          note="every report in before the wait")

@@ -97,6 +97,10 @@ class WriterConfig:
             "safetensors" (each rank's tensors in ``.safetensors`` files; docs/format.md).
         part_bytes: object stores (s3://): bytes of each multipart-upload part but the last.
         upload_concurrency: object stores (s3://): parts of one object uploading at once.
+        rank_timeout_s: several ranks: how long the coordinator waits for the other ranks' data
+            to be durable (dcp_datastates.save.rank_commit).
+        rank_liveness_s: several ranks: how long a rank's heartbeat may stand still before the
+            coordinator names it dead.
     """
 
     cache_bytes: int
@@ -118,6 +122,8 @@ class WriterConfig:
     format: CheckpointFormat = "torch"
     part_bytes: int = 16 * 1024**2
     upload_concurrency: int = 4
+    rank_timeout_s: float = 1800.0
+    rank_liveness_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -144,5 +150,10 @@ class WriterConfig:
             raise ValueError(
                 f"upload_part_size must be between 5 MiB and 5 GiB, got {self.part_bytes} bytes"
             )
+        for name in ("rank_timeout_s", "rank_liveness_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e9:
+                raise ValueError(f"{name.removesuffix('_s')} must be a positive number of "
+                                 f"seconds, got {v!r}")
         if not 0 <= self.flush_nice <= 19:
             raise ValueError(f"flush_nice must be within 0..19, got {self.flush_nice!r}")

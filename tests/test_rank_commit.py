@@ -110,8 +110,12 @@ def _failing_body(rank: int, world: int, root: str, how: str) -> list[str]:
     sd = _state(rank)
     pg = dist.new_group(backend="gloo")
     outcomes: list[str] = []
-    real_report = rank_commit.report
-    with DataStatesWriter(root, host_cache_size="8MiB") as w:
+    real_report, real_run = rank_commit.report, rank_commit.Reporter._run
+    # the coordinator's waits: 2 s for a silent rank (alive, never reporting); for a dead one,
+    # whose heartbeat stops, a long timeout and a 1 s liveness period, which must name it first
+    waits = {"rank_timeout": 120.0, "rank_liveness": 1.0} if how == "dead" else {
+        "rank_timeout": 2.0}
+    with DataStatesWriter(root, host_cache_size="8MiB", **waits) as w:
         if rank == 1:
             w._engine.set_delays(0, 20_000, seed=2)
             real_write = w.write_data
@@ -123,10 +127,10 @@ def _failing_body(rank: int, world: int, root: str, how: str) -> list[str]:
                 return fut
 
             w.write_data = write_data
-            if how == "silent":  # a rank that never reports (as if its process had hung)
+            if how in ("silent", "dead"):  # a rank that never reports (as if it had hung)
                 rank_commit.report = lambda *a, **k: None  # type: ignore[assignment]
-        else:
-            rank_commit.RANK_WAIT_TIMEOUT_S = 2.0
+            if how == "dead":  # ... nor beats after its first heartbeat (as if it had died)
+                rank_commit.Reporter._run = lambda *a: None  # type: ignore[method-assign]
         try:
             dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{root}/bad",
                            process_group=pg).result(120)
@@ -136,6 +140,7 @@ def _failing_body(rank: int, world: int, root: str, how: str) -> list[str]:
         w._engine.set_delays(0, 0)
         w.write_data = type(w).write_data.__get__(w)
         rank_commit.report = real_report  # type: ignore[assignment]
+        rank_commit.Reporter._run = real_run  # type: ignore[method-assign]
         # The writers keep working: the next save (another path) commits and loads exactly.
         dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{root}/good",
                        process_group=pg).result(120)
@@ -154,6 +159,7 @@ def _failing_body(rank: int, world: int, root: str, how: str) -> list[str]:
     [
         ("flush_fails", ("rank 1", "disk on fire")),  # an I/O error after the hand-over
         ("silent", ("rank(s) [1]", "did not report")),  # a rank that never reports
+        ("dead", ("rank(s) [1]", "stopped sending heartbeats")),  # nor beats: died
     ],
 )
 def test_a_rank_that_fails_or_never_reports_after_handing_over_fails_the_save_everywhere(
@@ -219,78 +225,198 @@ def test_a_fork_and_a_dropped_writer_during_the_hand_over_lose_nothing(tmp_path:
 # -- the store protocol alone ----------------------------------------------------------------
 
 
+def _tickets(n: int, group: str = "g", first: int = 1) -> list[Any]:
+    from dcp_datastates.save.rank_commit import Ticket
+
+    return [Ticket(r, f"sid-{r}", group) for r in range(first, first + n)]
+
+
 def test_wait_for_ranks_returns_once_every_report_arrived_and_deletes_the_keys() -> None:
     from dcp_datastates.save import rank_commit
 
     kv = dist.HashStore()
-    ranks = {1: "aaa", 2: "bbb", 3: "ccc"}
+    tickets = _tickets(3)
 
     def late() -> None:
-        for r in (3, 1, 2):
+        for t in (tickets[2], tickets[0], tickets[1]):
             time.sleep(0.05)
-            rank_commit.report(kv, r, ranks[r], None)
+            rank_commit.report(kv, t, None)
 
     t = threading.Thread(target=late)
     t0 = time.monotonic()
     t.start()
-    rank_commit.wait_for_ranks(kv, ranks, "ckpt", timeout_s=30)
+    rank_commit.wait_for_ranks(kv, tickets, "ckpt", timeout_s=30)
     t.join()
     assert time.monotonic() - t0 >= 0.14
-    assert not any(kv.check([f"dcp_datastates/durable/{sid}"]) for sid in ranks.values())
+    assert not any(kv.check([f"dcp_datastates/durable/g/{k}"]) for k in ("n", "who", "err"))
+
+
+def test_the_coordinator_polls_one_counter_however_many_ranks() -> None:
+    """4,095 reports in: the wait reads the counter and the list once each (a store that counts
+    its calls), not one key per rank."""
+    from dcp_datastates.save import rank_commit
+
+    class Counting:
+        def __init__(self) -> None:
+            self.kv = dist.HashStore()
+            self.calls: dict[str, int] = {}
+
+        def __getattr__(self, name: str) -> Any:
+            def call(*a: Any) -> Any:
+                self.calls[name] = self.calls.get(name, 0) + 1
+                return getattr(self.kv, name)(*a)
+            return call
+
+    kv = Counting()
+    tickets = _tickets(4095)
+    for t in tickets:
+        rank_commit.report(kv.kv, t, None)
+    rank_commit.wait_for_ranks(kv, tickets, "ckpt", timeout_s=30)
+    assert kv.calls.get("add") == 1 and kv.calls.get("get") == 1, kv.calls
+    assert sum(kv.calls.values()) <= 8, kv.calls
 
 
 def test_wait_for_ranks_names_the_failed_rank_and_its_error() -> None:
     from dcp_datastates.save import rank_commit
 
     kv = dist.HashStore()
-    rank_commit.report(kv, 1, "aaa", None)
-    rank_commit.report(kv, 2, "bbb", "save to ckpt failed on rank 2: OSError: No space left")
+    a, b, c = _tickets(3)
+    rank_commit.report(kv, a, None)
+    rank_commit.report(kv, b, "save to ckpt failed on rank 2: OSError: No space left")
+    t0 = time.monotonic()  # rank 3 has not reported: the failure is seen at once all the same
     with pytest.raises(CheckpointSaveError, match=r"rank 2: .*No space left") as ei:
-        rank_commit.wait_for_ranks(kv, {1: "aaa", 2: "bbb"}, "ckpt", timeout_s=30)
+        rank_commit.wait_for_ranks(kv, [a, b, c], "ckpt", timeout_s=30)
     assert "nothing was committed" in str(ei.value)
+    assert time.monotonic() - t0 < 5
 
 
-def test_wait_for_ranks_times_out_naming_the_silent_ranks_and_ignores_other_saves() -> None:
+def test_wait_for_ranks_times_out_naming_only_the_silent_ranks_and_ignores_other_saves() -> None:
+    from dcp_datastates.save import rank_commit
+    from dcp_datastates.save.rank_commit import Ticket
+
+    kv = dist.HashStore()
+    tickets = _tickets(16)
+    for t in tickets:
+        if t.rank not in (7, 12):
+            rank_commit.report(kv, t, None)
+    # rank 7's report of an earlier save in the same group does not count as this one's
+    rank_commit.report(kv, Ticket(7, "an-earlier-save", "g"), None)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[7, 12\] did not report"):
+        rank_commit.wait_for_ranks(kv, tickets, "ckpt", timeout_s=0.3, liveness_s=60)
+    assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_ranks_in_several_groups_are_each_waited_for() -> None:
     from dcp_datastates.save import rank_commit
 
     kv = dist.HashStore()
-    rank_commit.report(kv, 1, "aaa", None)
-    rank_commit.report(kv, 2, "an-earlier-save", None)  # another save id: not rank 2's report
+    tickets = _tickets(3, "g1") + _tickets(2, "g2", first=4)
+    for t in tickets[1:]:
+        rank_commit.report(kv, t, None)
+    threading.Timer(0.1, rank_commit.report, (kv, tickets[0], None)).start()
     t0 = time.monotonic()
-    with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[2, 3\] did not report"):
-        rank_commit.wait_for_ranks(kv, {1: "aaa", 2: "bbb", 3: "ccc"}, "ckpt", timeout_s=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 5
+    rank_commit.wait_for_ranks(kv, tickets, "ckpt", timeout_s=30)
+    assert time.monotonic() - t0 >= 0.09
+
+
+def _reporting_rank(host: str, port: int, save_id: str, report_after_s: float) -> None:
+    """A rank's process: its heartbeat runs, then it reports (or it is killed first)."""
+    from dcp_datastates.save import rank_commit
+
+    kv = dist.TCPStore(host, port, is_master=False)
+    r = rank_commit.Reporter(kv, rank_commit.Ticket(5, save_id, "g"), liveness_s=1.0)
+    time.sleep(report_after_s)
+    r.report(None)
+    r.close()
+
+
+def _tcp_store() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_a_rank_that_dies_is_named_after_the_liveness_period_not_the_timeout() -> None:
+    """A real process holding a Reporter is SIGKILLed while its data would still flush: the
+    coordinator (timeout 120 s, liveness 1 s) names rank 5 within a few seconds."""
+    import multiprocessing as mp
+    import signal
+
+    from dcp_datastates.save import rank_commit
+
+    kv = _tcp_store()
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_reporting_rank, args=("127.0.0.1", kv.port, "sid-5", 600.0))
+    p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not kv.check(["dcp_datastates/durable/hb/sid-5"]):
+            assert time.monotonic() < deadline and p.is_alive(), "no heartbeat"
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        tickets = [rank_commit.Ticket(5, "sid-5", "g")]
+        with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[5\] stopped sending"):
+            rank_commit.wait_for_ranks(kv, tickets, "ckpt", timeout_s=120, liveness_s=1.0)
+        assert time.monotonic() - t0 < 10
+    finally:
+        p.kill()
+        p.join()
+
+
+def test_a_slow_rank_keeps_beating_and_is_waited_for() -> None:
+    """A live rank that reports after 4 s, with a 1 s liveness: the commit waits for it."""
+    import multiprocessing as mp
+
+    from dcp_datastates.save import rank_commit
+
+    kv = _tcp_store()
+    p = mp.get_context("spawn").Process(
+        target=_reporting_rank, args=("127.0.0.1", kv.port, "sid-slow", 4.0))
+    p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not kv.check(["dcp_datastates/durable/hb/sid-slow"]):
+            assert time.monotonic() < deadline and p.is_alive(), "no heartbeat"
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        tickets = [rank_commit.Ticket(5, "sid-slow", "g")]
+        rank_commit.wait_for_ranks(kv, tickets, "ckpt", timeout_s=120, liveness_s=1.0)
+        assert time.monotonic() - t0 >= 3.0
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+    assert not kv.check(["dcp_datastates/durable/hb/sid-slow"])  # the rank deleted its beat
 
 
 def test_a_report_that_cannot_be_sent_does_not_raise() -> None:
     from dcp_datastates.save import rank_commit
 
     class Broken:
-        def set(self, key: str, value: str) -> None:
+        def append(self, key: str, value: str) -> None:
             raise RuntimeError("connection reset by peer")
 
     with captured_logs("dcp_datastates.save.rank_commit") as logs:
-        rank_commit.report(Broken(), 3, "xyz", None)
+        rank_commit.report(Broken(), rank_commit.Ticket(3, "xyz", "g"), None)
     assert any("rank 3 cannot report" in r.getMessage() for r in logs)
 
 
-def test_results_handed_over_early_travel_with_their_rank_and_save_id() -> None:
+def test_results_handed_over_early_travel_with_their_ticket() -> None:
     import pickle
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from dcp_datastates.save.rank_commit import AwaitedResults, awaited_ranks
+    from dcp_datastates.save.rank_commit import AwaitedResults, Ticket, awaited_tickets
     from dcp_datastates.save.wire import CompactWriteResults
 
     wr = WriteResult(index=MetadataIndex("a", torch.Size([0])), size_in_bytes=4,
                      storage_data=_StorageInfo("__1_0.distcp", 0, 4))
     plain = CompactWriteResults([wr])
     early = CompactWriteResults([wr])
-    early.awaited = (1, "sid-1")
+    early.awaited = Ticket(1, "sid-1", "3-abc")
     back_plain, back_early = pickle.loads(pickle.dumps([plain, early]))
     assert type(back_plain) is list and back_plain == [wr]
     assert isinstance(back_early, AwaitedResults) and back_early == [wr]
-    assert (back_early.rank, back_early.save_id) == (1, "sid-1")
-    assert awaited_ranks([back_plain, back_early]) == {1: "sid-1"}
+    assert back_early.ticket == Ticket(1, "sid-1", "3-abc")
+    assert awaited_tickets([back_plain, back_early]) == [Ticket(1, "sid-1", "3-abc")]

@@ -327,9 +327,6 @@ def test_durability_names_a_rank_that_never_reports() -> None:
     assert took < 10.0
 
 
-@pytest.mark.xfail(strict=True, reason="rank_commit.wait_for_ranks consumes reports in rank "
-                   "order up to the first missing one, so at its timeout it names every rank "
-                   "after the dead one too, reports or not (dcp_datastates/save/rank_commit.py)")
 def test_durability_names_only_the_rank_that_never_reports() -> None:
     msg, _ = _dropped_rank_error(16, 7)
     assert "rank(s) [7] did not report" in msg, msg

@@ -195,6 +195,9 @@ class JobBinding:
                 why_abort = f"save to {where} failed: {describe_cause(cause)}"
                 self._engine.abort(job.engine_job, why_abort)
             completer.join()
+        reporter, job.reporter = job.reporter, None
+        if reporter is not None:
+            reporter.close()  # the save ended: no more heartbeats (rank_commit.py)
         self._table.release_job(job, why, cause, quiet, path=self.path)
         pending, job.pending_write = job.pending_write, None
         if pending is not None:  # DCP stopped between write_data and finish()

@@ -133,6 +133,9 @@ class SaveJob:
     # Several ranks, a non-coordinator's async_save: the thread completing its write after
     # write_data returned (writer._complete_in_background); its release joins it.
     completer: threading.Thread | None = None
+    # ... and its heartbeat and report to the coordinator (rank_commit.Reporter); closed by the
+    # release, once the save ended.
+    reporter: Any = None
     gc_pause: ProtocolPause | None = None  # from stage() until its save thread takes it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

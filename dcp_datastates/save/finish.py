@@ -35,7 +35,7 @@ import logging
 import pickle
 import threading
 import time
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
@@ -96,8 +96,10 @@ class WriteCompletion:
             # Another rank, async_save: a thread of its own waits for the data, writes the
             # manifest and reports to the coordinator, whose finish() waits for that report
             # (rank_commit.py); the results say so.
-            self._complete_in_background(ctx, job, pending, kv)
-            out.awaited = (ctx.rank, ctx.save_id)
+            ticket = rank_commit.Ticket(ctx.rank, ctx.save_id, rank_commit.group_of(ctx.path))
+            job.reporter = rank_commit.Reporter(kv, ticket, self.config.rank_liveness_s)
+            self._complete_in_background(ctx, job, pending, job.reporter)
+            out.awaited = ticket
         else:
             # Other ranks of safetensors saves (or without a store): results once durable.
             self._complete_write(ctx, job, pending)
@@ -128,12 +130,13 @@ class WriteCompletion:
             self._submit_promotion(ctx, 0)
 
     def _complete_in_background(
-        self, ctx: SaveContext, job: SaveJob, pending: PendingWrite, kv: Any
+        self, ctx: SaveContext, job: SaveJob, pending: PendingWrite,
+        reporter: rank_commit.Reporter,
     ) -> None:
         """Completes a non-coordinator's write in a thread (``dcp_datastates-complete``).
 
         The thread waits for the data, writes the manifest, finishes the job and reports to the
-        coordinator through the store ``kv``; on any failure it fails the job and reports the
+        coordinator through ``reporter``; on any failure it fails the job and reports the
         error (rank_commit.py). The job's release joins it (aborting the job first if the save
         failed elsewhere), so the job never ends while the thread may still use it.
         """
@@ -144,9 +147,9 @@ class WriteCompletion:
                 err = save_error(ctx, e)
                 if not isinstance(job.error, CheckpointSaveError):
                     self._table.fail_job(job, err)
-                rank_commit.report(kv, ctx.rank, ctx.save_id, str(job.error or err))
+                reporter.report(str(job.error or err))
                 return
-            rank_commit.report(kv, ctx.rank, ctx.save_id, None)
+            reporter.report(None)
 
         t = threading.Thread(target=run, name="dcp_datastates-complete", daemon=True)
         job.completer = t
@@ -190,15 +193,19 @@ class WriteCompletion:
                     blob = pickle.dumps(metadata)  # while the data is still flushing
                 ctx.end_gc_pause()  # training runs while this thread waits for the data
                 self._complete_write(ctx, job, pending)
-                others = rank_commit.awaited_ranks(results)
+                others = rank_commit.awaited_tickets(results)
                 if others:  # ranks that sent their results before their data was durable
                     kv = rank_commit.store()
                     if kv is None:
                         raise CheckpointSaveError(
-                            f"save to {ctx.path}: ranks {sorted(others)} report through the "
-                            "process group's store, which this rank cannot reach"
+                            f"save to {ctx.path}: ranks {sorted(t.rank for t in others)} "
+                            "report through the process group's store, which this rank "
+                            "cannot reach"
                         )
-                    rank_commit.wait_for_ranks(kv, others, ctx.path)
+                    rank_commit.wait_for_ranks(
+                        kv, others, ctx.path, self.config.rank_timeout_s,
+                        self.config.rank_liveness_s,
+                    )
                 ctx.begin_gc_pause()  # the commit and DCP's broadcast of the result
             ctx.directory().commit(metadata, self.config.durable, blob=blob)
             self._table.mark_committed(ctx.path, time.perf_counter())

@@ -91,6 +91,8 @@ def build_parts(
     storage_options: dict[str, Any] | None,
     upload_part_size: int | str,
     upload_concurrency: int,
+    rank_timeout: float,
+    rank_liveness: float,
     incremental: IncrementalMode,
     persist_to: str | os.PathLike[str] | None,
     persist_storage_options: dict[str, Any] | None,
@@ -125,6 +127,8 @@ def build_parts(
         format=format,
         part_bytes=parse_size(upload_part_size, default_unit=1, what="upload_part_size"),
         upload_concurrency=upload_concurrency,
+        rank_timeout_s=rank_timeout,
+        rank_liveness_s=rank_liveness,
     )
     # before the engine: a bad value allocates nothing
     tracker, extensions, promoter = _save_features(

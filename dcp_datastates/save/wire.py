@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .rank_commit import AwaitedResults
+from .rank_commit import AwaitedResults, Ticket
 
 # The attribute sets an object must have, exactly, to be encoded (anything else: as it is).
 _ITEM_KEYS = frozenset(("index", "type", "bytes_io_data", "tensor_data"))
@@ -179,12 +179,12 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
     """A rank's list of ``WriteResult`` that pickles plain results compactly; it unpickles as a
     plain list of equal ``WriteResult`` objects.
 
-    ``awaited``: ``(rank, save_id)``, set by a rank that sends its results before its data is
-    durable; they then unpickle as a ``rank_commit.AwaitedResults`` naming that rank and its
-    save id, whose manifest the coordinator waits for before it commits.
+    ``awaited``: the :class:`~dcp_datastates.save.rank_commit.Ticket` of a rank that sends its
+    results before its data is durable; they then unpickle as a ``rank_commit.AwaitedResults``
+    carrying it: the coordinator waits for that rank's report before it commits.
     """
 
-    awaited: tuple[int, str] | None = None
+    awaited: Ticket | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         out: list[Any] = []
@@ -207,12 +207,15 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
             append((ix.fqn, ix.offset, ix.index, wr.size_in_bytes, sd.relative_path, sd.offset,
                     sd.length, sd.__dict__.get("transform_descriptors")))
         if self.awaited is not None:
-            return (_load_awaited_results, (out, *self.awaited))
+            t = self.awaited
+            return (_load_awaited_results, (out, t.rank, t.save_id, t.group))
         return (_load_results, (out,))
 
 
-def _load_awaited_results(encoded: list[Any], rank: int, save_id: str) -> AwaitedResults:
-    return AwaitedResults(_load_results(encoded), rank, save_id)
+def _load_awaited_results(
+    encoded: list[Any], rank: int, save_id: str, group: str
+) -> AwaitedResults:
+    return AwaitedResults(_load_results(encoded), Ticket(rank, save_id, group))
 
 
 def _load_results(encoded: list[Any]) -> list[WriteResult]:

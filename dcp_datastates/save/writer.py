@@ -148,6 +148,12 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
             CRC-32C) and owned by no optimizer (frozen weights) is not written again; the new
             ``.metadata`` points at the earlier checkpoint's bytes. Local directories only; see
             docs/configuration.md, "Incremental saves".
+        rank_timeout: several ranks, ``async_save``: seconds the coordinator waits for the other
+            ranks' data to be durable before it fails the save naming the ranks still missing
+            (DCP's default collective timeout; :mod:`dcp_datastates.save.rank_commit`).
+        rank_liveness: several ranks: seconds a rank whose data still flushes may go without a
+            heartbeat before the coordinator names it dead and fails the save (a slow rank
+            keeps beating and is waited for up to ``rank_timeout``).
         persist_to: multi-level flush: a second, persistent tier (a local path or an fsspec URL
             such as ``s3://bucket/run``). Saves go to ``path`` (the fast tier) as usual; each
             committed checkpoint is then copied in the background to the same relative name under
@@ -204,6 +210,8 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
         storage_options: dict[str, Any] | None = None,
         upload_part_size: int | str = "16MiB",
         upload_concurrency: int = 4,
+        rank_timeout: float = 1800.0,
+        rank_liveness: float = 60.0,
         incremental: IncrementalMode = False,
         persist_to: str | os.PathLike[str] | None = None,
         persist_storage_options: dict[str, Any] | None = None,
@@ -220,7 +228,8 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
             adapt_to_load=adapt_to_load, flush_idle=flush_idle, step_barrier=step_barrier,
             pin_memory=pin_memory, overwrite=overwrite, format=format,
             storage_options=storage_options, upload_part_size=upload_part_size,
-            upload_concurrency=upload_concurrency, incremental=incremental,
+            upload_concurrency=upload_concurrency, rank_timeout=rank_timeout,
+            rank_liveness=rank_liveness, incremental=incremental,
             persist_to=persist_to, persist_storage_options=persist_storage_options,
             persist_timeout=persist_timeout, persist_retention=persist_retention,
             fast_retention=fast_retention, _extensions=_extensions,
