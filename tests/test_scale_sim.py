@@ -267,6 +267,8 @@ def test_quick_run_has_every_step(quick_run: Path) -> None:
                                 ("durability", "create_global_plan.")):
                             continue
                         x = by.get((layout, n, c, phase, step))
+                        if c == "ours" and step.startswith("create_global_plan."):
+                            continue  # DCP's parts: our planner's one linear pass has none
                         if c == "stock" and step in ("finish.share_metadata_values",):
                             assert x is None
                             continue
