@@ -136,6 +136,9 @@ class SaveJob:
     # ... and its heartbeat and report to the coordinator (rank_commit.Reporter); closed by the
     # release, once the save ended.
     reporter: Any = None
+    # The digest of the write results it handed over (result_cache.py): a save that ends
+    # without error on this rank confirms them, so the next save may send them by reference.
+    results_digest: bytes | None = None
     gc_pause: ProtocolPause | None = None  # from stage() until its save thread takes it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -35,7 +35,7 @@ import logging
 import pickle
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
@@ -45,10 +45,11 @@ from ..config import WriterConfig
 from ..errors import CheckpointSaveError, reraisable
 from ..lifecycle.tiers import Promoter
 from ..runtime.gcpause import gc_paused
-from . import rank_commit
+from . import rank_commit, result_cache
 from .capture import SaveJob
 from .contexts import SaveContext, release_claim
 from .jobs import JobTable
+from .lazy_metadata import broadcast_as_reference
 from .placement import PendingWrite
 from .planner import share_metadata_values
 from .release import DeferredRelease
@@ -81,6 +82,10 @@ class WriteCompletion:
         """The end of ``write_data`` once its items are placed: completes the write here, or
         arranges for it to complete later; returns the results DCP gathers."""
         out = CompactWriteResults(results)  # DCP gathers them (wire.py)
+        out.with_digest = True  # the coordinator keeps committed results by it (result_cache)
+        job.results_digest = out.wire_digest()
+        if not ctx.coordinator and result_cache.RANK.held(job.results_digest):
+            out.by_reference = True  # those of a committed save: the coordinator holds them
         if job.adhoc:
             # dcp.save: nothing would end a job left pending here until the caller's thread
             # saved again, so its results mean that its data is durable.
@@ -177,20 +182,26 @@ class WriteCompletion:
         over early, then writes ``.metadata`` (the commit); the save's context is over after."""
         try:
             metadata.version = CURRENT_DCP_VERSION
-            storage_md = {}
-            for wr_list in results:
-                storage_md.update({wr.index: wr.storage_data for wr in wr_list})
-            metadata.storage_data = storage_md
+            resolved = result_cache.COORDINATOR.resolve(results, ctx.path)
+            reuse = result_cache.COORDINATOR.reusable(metadata, resolved)
             metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
-            share_metadata_values(metadata)  # pickled into .metadata and by DCP's broadcast
-            blob: bytes | None = None
+            if reuse is not None:  # the last commit's results and plan: its .metadata
+                metadata.storage_data = reuse.storage_data
+                kept = reuse.blob
+                blob = result_cache.restamped(kept, metadata.storage_meta)
+            else:
+                storage_md: dict[Any, Any] = {}
+                for entries in resolved.storage:
+                    storage_md.update(entries)
+                metadata.storage_data = storage_md
+                share_metadata_values(metadata)  # pickled into .metadata and by the broadcast
+                with gc_paused():  # an object per item (see dcp_datastates.runtime.gcpause)
+                    blob = kept = pickle.dumps(metadata)  # the data may still be flushing
             job = ctx.job
             pending = job.pending_write if job is not None else None
             if pending is not None:
                 assert job is not None
                 job.pending_write = None
-                with gc_paused():  # an object per item (see dcp_datastates.runtime.gcpause)
-                    blob = pickle.dumps(metadata)  # while the data is still flushing
                 ctx.end_gc_pause()  # training runs while this thread waits for the data
                 self._complete_write(ctx, job, pending)
                 others = rank_commit.awaited_tickets(results)
@@ -209,8 +220,11 @@ class WriteCompletion:
                 ctx.begin_gc_pause()  # the commit and DCP's broadcast of the result
             ctx.directory().commit(metadata, self.config.durable, blob=blob)
             self._table.mark_committed(ctx.path, time.perf_counter())
+            result_cache.COORDINATOR.committed(metadata, resolved, kept)
             if ctx.job is not None and not ctx.job.adhoc:
                 self._released.hold(metadata)  # async_save's result: see release.py
+                if len(results) > 1:  # DCP broadcasts it: as a reference (lazy_metadata.py)
+                    broadcast_as_reference(metadata, ctx.path, ctx.storage_options)
             if self._promoter is not None:
                 self._submit_promotion(ctx, len(results))
         finally:

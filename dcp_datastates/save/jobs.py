@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from ..engine import Engine, engine_time_to_perf
 from ..errors import CheckpointSaveError
+from . import result_cache
 from .capture import SaveJob, raise_if_modified
 from .stats import SaveStats
 
@@ -259,6 +260,16 @@ def track_future(
     fut.add_done_callback(
         lambda f: release_cb(writer_ref, job, pid, "its save ended", future_exception(f))
     )
+
+    def settled(f: concurrent.futures.Future[Any]) -> None:
+        if os.getpid() != pid:
+            return
+        if future_exception(f) is None and job.error is None:
+            result_cache.RANK.confirm(job.results_digest)  # committed: may go by reference
+        else:
+            result_cache.RANK.clear()  # the next save sends its results in full
+
+    fut.add_done_callback(settled)
 
 
 class JobTable:

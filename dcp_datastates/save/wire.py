@@ -31,6 +31,8 @@ Threads: pure functions of their arguments; no state.
 
 from __future__ import annotations
 
+import hashlib
+import marshal
 from typing import Any
 
 import torch
@@ -185,8 +187,35 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
     """
 
     awaited: Ticket | None = None
+    #: Send the digest with the results (the coordinator caches them by it: result_cache.py).
+    with_digest: bool = False
+    #: Send only the digest (the coordinator holds these results: result_cache.py).
+    by_reference: bool = False
+    _encoded: list[Any] | None = None
+
+    def wire_digest(self) -> bytes | None:
+        """A BLAKE2b digest of the wire form (equal results, equal digests, in any process),
+        or None when an item has no plain encoding (it is then never sent by reference)."""
+        encoded = self._encode()
+        if any(type(e) is not tuple for e in encoded):
+            return None
+        try:  # offsets are torch.Size, which marshal does not take: as tuples
+            raw = marshal.dumps([(e[0], tuple(e[1]), *e[2:]) for e in encoded])
+        except ValueError:  # a value marshal cannot write (a custom transform descriptor)
+            return None
+        return hashlib.blake2b(raw, digest_size=16).digest()
 
     def __reduce__(self) -> tuple[Any, ...]:
+        t = self.awaited
+        ticket = None if t is None else (t.rank, t.save_id, t.group)
+        digest = self.wire_digest() if self.by_reference or self.with_digest else None
+        if self.by_reference:
+            return (_load_results_as_sent, (None, digest, ticket))
+        return (_load_results_as_sent, (self._encode(), digest, ticket))
+
+    def _encode(self) -> list[Any]:
+        if self._encoded is not None:
+            return self._encoded
         out: list[Any] = []
         append = out.append
         for wr in self:
@@ -206,16 +235,30 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
                 continue
             append((ix.fqn, ix.offset, ix.index, wr.size_in_bytes, sd.relative_path, sd.offset,
                     sd.length, sd.__dict__.get("transform_descriptors")))
-        if self.awaited is not None:
-            t = self.awaited
-            return (_load_awaited_results, (out, t.rank, t.save_id, t.group))
-        return (_load_results, (out,))
+        self._encoded = out
+        return out
 
 
-def _load_awaited_results(
-    encoded: list[Any], rank: int, save_id: str, group: str
-) -> AwaitedResults:
-    return AwaitedResults(_load_results(encoded), Ticket(rank, save_id, group))
+class ReceivedResults(list):  # type: ignore[type-arg]
+    """A rank's write results as the coordinator receives them: a plain list of
+    ``WriteResult``, with the ``digest`` of their wire form (None if not computed) and
+    ``by_reference`` (the list is empty: the coordinator holds them, result_cache.py)."""
+
+    digest: bytes | None = None
+    by_reference: bool = False
+
+
+def _load_results_as_sent(
+    encoded: list[Any] | None, digest: bytes | None, ticket: tuple[int, str, str] | None
+) -> list[Any]:
+    results = [] if encoded is None else _load_results(encoded)
+    if ticket is None and digest is None and encoded is not None:
+        return results
+    out: Any = (ReceivedResults(results) if ticket is None
+                else AwaitedResults(results, Ticket(*ticket)))
+    out.digest = digest
+    out.by_reference = encoded is None
+    return out
 
 
 def _load_results(encoded: list[Any]) -> list[WriteResult]:
