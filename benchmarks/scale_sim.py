@@ -456,40 +456,58 @@ class Simulation:
             return self.meter.step(phase, "create_global_plan", "coordinator",
                                    lambda: planner.create_global_plan(plans))
 
-    def _results(self, global_plans: list[Any]) -> list[bytes]:
-        """Every rank's pickled write results (each rank's own work: untimed, but for the
-        measured rank's pickling)."""
+    def _wire_results(self, plan: Any, q: int, by_reference: bool = False) -> Any:
+        """Rank ``q``'s write results as its writer hands them to DCP's gather (ours: compact,
+        with their digest, by reference when the coordinator holds them)."""
         from dcp_datastates.save.rank_commit import Ticket
         from dcp_datastates.save.wire import CompactWriteResults
 
-        def wire_form(q: int) -> Any:
-            res = _results_for(global_plans[q], q, self.builder, self.cfg.contender)
-            if not self.ours:
-                return res
-            res = CompactWriteResults(res)
-            if q != 0:  # async_save: handed over before durable, reported through the store
-                res.awaited = Ticket(q, uuid.uuid4().hex, "0-simulated00")
+        res = _results_for(plan, q, self.builder, self.cfg.contender)
+        if not self.ours:
             return res
+        res = CompactWriteResults(res)
+        res.with_digest = True
+        res.by_reference = by_reference
+        if q != 0:  # async_save: handed over before durable, reported through the store
+            res.awaited = Ticket(q, uuid.uuid4().hex, "0-simulated00")
+        return res
 
+    def _results(self, global_plans: list[Any], phase: str = "save",
+                 by_reference: bool = False) -> list[bytes]:
+        """Every rank's pickled write results (each rank's own work: untimed, but for the
+        measured rank's pickling)."""
         blobs: list[bytes] = []
         with untimed():
             for q in range(self.n):
                 if q != self.rank:
-                    blobs.append(_dumps(wire_form(q)))
+                    blobs.append(_dumps(self._wire_results(global_plans[q], q, by_reference)))
                     continue
-                res = wire_form(q)
+                res = self._wire_results(global_plans[q], q, by_reference)
                 blobs.append(b"")
-        blobs[self.rank] = self.meter.step("save", "gather_results_send", "rank",
+        blobs[self.rank] = self.meter.step(phase, "gather_results_send", "rank",
                                            lambda: _dumps(res), wire=lambda b: _wire([b]))
         return blobs
 
-    def _finish(self, phase: str, writer: Any, metadata: Any) -> None:
-        """The results gather, the writer's finish (and its parts) and the broadcast."""
+    def _finish(self, phase: str, writer: Any, metadata: Any, reused: bool = False) -> None:
+        """The results gather, the writer's finish (and its parts) and the broadcast.
+        ``reused``: ours, a repeated save whose results came by reference: finish() reuses the
+        last commit's (result_cache.py), so its parts are not timed apart."""
         from dcp_datastates.save.planner import share_metadata_values
 
         m, blobs = self.meter, self.result_blobs
         results = m.step(phase, "gather_results", "coordinator",
                          lambda: [_loads(b) for b in blobs], wire=lambda _: _wire(blobs))
+        if reused:
+            for part in ("finish.merge_storage_data", "finish.share_metadata_values",
+                         "finish.pickle_metadata"):
+                m.skip(phase, part, "coordinator", "not run: every rank's results came by "
+                       "reference and the last commit's .metadata is reused (result_cache.py)",
+                       status="reused")
+            m.step(phase, "finish", "coordinator", lambda: writer.finish(metadata, results),
+                   note="the writer's real finish(): the last commit's .metadata restamped, "
+                   "written and fsynced in a temp dir")
+            self._broadcast(phase, metadata, results)
+            return
 
         def merge() -> None:  # both writers' finish() begin with this loop
             storage_md = {}
@@ -505,6 +523,16 @@ class Simulation:
                wire=lambda b: {"wire_bytes": len(b)}, note="the .metadata file's bytes")
         m.step(phase, "finish", "coordinator", lambda: writer.finish(metadata, results),
                note="the writer's real finish(): .metadata written and fsynced in a temp dir")
+        self._broadcast(phase, metadata, results)
+
+    def _broadcast(self, phase: str, metadata: Any, results: list[Any]) -> None:
+        """DCP's broadcast of the save's result (ours, an async_save of several ranks: the
+        committed metadata goes as a reference, lazy_metadata.py)."""
+        from dcp_datastates.save.lazy_metadata import broadcast_as_reference
+
+        m = self.meter
+        if self.ours:
+            broadcast_as_reference(metadata, self.cfg.root, None)
         blob = m.step(phase, "broadcast_metadata", "coordinator", lambda: _dumps(metadata),
                       wire=lambda b: {"wire_bytes": len(b), "wire_objects": 1})
         results.clear()  # DCP's all_reduce holds the gathered results until its broadcast
@@ -625,6 +653,11 @@ class Simulation:
         if self.ours:
             with untimed():
                 coord_p.finish_plan(delta[0])  # the coordinator's own end of the planning
+        if self.ours:  # every rank's results are those of the warm save: by reference
+            self.result_blobs = self._results(self._warm_plans, "save_repeat", True)
+            del self._warm_plans
+            self._finish("save_repeat", coord_w, metadata, reused=True)
+            return
         m.skip("save_repeat", "gather_results_send", "rank",
                "as in the first save: the results are not cached by DCP", status="same")
         self._finish("save_repeat", coord_w, metadata)
@@ -657,8 +690,11 @@ class Simulation:
                 self._refs = list(zip(pending.resolved.keys, pending.entry.tokens, strict=True))
                 coord_p.finish_plan(global_plans[0])  # the coordinator's cache is filled here
             self._cached_rank_plan = rank_p.finish_plan(global_plans[self.rank])
-            results = [_results_for(global_plans[q], q, self.builder, self.cfg.contender)
+            # as the coordinator receives them (ours: with their digests, kept on commit)
+            results = [_loads(_dumps(self._wire_results(global_plans[q], q)))
                        for q in range(self.n)]
+            if self.ours:
+                self._warm_plans = global_plans
         coord_w.finish(metadata, results)  # the cached metadata now holds its storage data
         if not self.ours:
             assert rank_p._cached_plans_key in SavePlanner._cached_save_plan

@@ -275,7 +275,11 @@ def test_quick_run_has_every_step(quick_run: Path) -> None:
                         assert x is not None, (layout, n, c, phase, step)
                         if c == "stock" and step.startswith("durability"):
                             assert x["status"] == "n/a"
-                        elif step == "gather_results_send" and phase == "save_repeat":
+                        elif c == "ours" and phase == "save_repeat" and step.startswith(
+                                "finish."):  # results by reference, .metadata reused
+                            assert x["status"] == "reused", x
+                        elif (c == "stock" and step == "gather_results_send"
+                              and phase == "save_repeat"):
                             assert x["status"] == "same"
                         else:
                             assert x["status"] == "measured", x

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import marshal
+import pickle
 from typing import Any
 
 import torch
@@ -196,13 +197,13 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
     def wire_digest(self) -> bytes | None:
         """A BLAKE2b digest of the wire form (equal results, equal digests, in any process),
         or None when an item has no plain encoding (it is then never sent by reference)."""
-        encoded = self._encode()
-        if any(type(e) is not tuple for e in encoded):
+        plain = [_plain_result(e) for e in self._encode()]
+        if None in plain:
             return None
-        try:  # offsets are torch.Size, which marshal does not take: as tuples
-            raw = marshal.dumps([(e[0], tuple(e[1]), *e[2:]) for e in encoded])
-        except ValueError:  # a value marshal cannot write (a custom transform descriptor)
-            return None
+        try:
+            raw = marshal.dumps(plain)
+        except ValueError:  # a value marshal cannot write (a numpy int, a custom descriptor)
+            raw = pickle.dumps(plain, protocol=4)
         return hashlib.blake2b(raw, digest_size=16).digest()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -237,6 +238,19 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
                     sd.length, sd.__dict__.get("transform_descriptors")))
         self._encoded = out
         return out
+
+
+def _plain_result(e: Any) -> tuple[Any, ...] | None:
+    """An encoded result (or a result left as it is) as plain values for a digest; None for a
+    result of another shape."""
+    if type(e) is tuple:
+        return (e[0], tuple(e[1]), *e[2:])  # torch.Size offsets: not marshal's
+    ix, sd = getattr(e, "index", None), getattr(e, "storage_data", None)
+    if type(ix) is not MetadataIndex or type(sd) is not _StorageInfo:
+        return None
+    offset = None if ix.offset is None else tuple(ix.offset)
+    return (ix.fqn, offset, ix.index, getattr(e, "size_in_bytes", None), sd.relative_path,
+            sd.offset, sd.length, getattr(sd, "transform_descriptors", None))
 
 
 class ReceivedResults(list):  # type: ignore[type-arg]
