@@ -386,6 +386,9 @@ class Promoter:
             rank to ``fast_root`` after each of its promotions; None keeps everything.
         persist_retention: retention of the persistent tier (``prune`` semantics), applied by
             the coordinator after each checkpoint it committed there; None keeps everything.
+        verify: the coordinator verifies the fast checkpoint (``verify_checkpoint``: every
+            checksum) before copying it, when every rank's manifest is in its fast directory; a
+            damaged one is not copied (its promotion fails). The persistence agent sets it.
     """
 
     def __init__(
@@ -397,6 +400,7 @@ class Promoter:
         durable: bool = True,
         fast_retention: RetentionPolicy | int | None = None,
         persist_retention: RetentionPolicy | int | None = None,
+        verify: bool = False,
     ) -> None:
         if not fast_root or is_url(fast_root):
             raise ValueError(
@@ -416,6 +420,7 @@ class Promoter:
         self.timeout_s = float(timeout_s)
         self.fast_policy = as_policy(fast_retention, "fast_retention")
         self.slow_policy = as_policy(persist_retention, "persist_retention")
+        self.verify = verify
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._queue: queue.Queue[Promotion | None] = queue.Queue()
@@ -436,8 +441,12 @@ class Promoter:
             )
         return rel.replace(os.sep, "/")
 
-    def submit(self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool) -> None:
-        """Queues the promotion of this rank's part of a committed checkpoint."""
+    def submit(
+        self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool,
+        t_submit: float | None = None,
+    ) -> Promotion:
+        """Queues the promotion of this rank's part of a committed checkpoint; returns its
+        record. ``t_submit``: when it was submitted (``time.perf_counter()``; default now)."""
         if os.getpid() != self._pid:
             raise RuntimeError("a forked child cannot promote its parent's checkpoints")
         rel = self.relative(checkpoint_path)
@@ -447,7 +456,7 @@ class Promoter:
             rank=rank,
             coordinator=coordinator,
             world_size=max(1, world_size),
-            t_submit=time.perf_counter(),
+            t_submit=time.perf_counter() if t_submit is None else t_submit,
         )
         with self._lock:
             if self._closed:
@@ -460,6 +469,7 @@ class Promoter:
                     target=self._run, name="dcp_datastates-promoter", daemon=False
                 )
                 self._thread.start()
+        return p
 
     def supersede(self, checkpoint_path: str, timeout: float | None = None) -> None:
         """A new save of ``checkpoint_path`` begins: this rank's promotions of its previous
@@ -643,6 +653,8 @@ class Promoter:
                 raise PersistError(f"{p.source} has no manifest of rank {p.rank}")
             if p.coordinator and METADATA_FILE not in names:
                 raise PersistError(f"{p.source} is not committed (no {METADATA_FILE})")
+            if p.coordinator and self.verify:
+                _verify_source(p, names)
             slow = self.slow
             slow.makedirs(rel)
             if not slow.exists(f"{rel}/{INCOMPLETE_MARKER}"):
@@ -748,6 +760,24 @@ class Promoter:
             if persisted and _remove_checkpoint_dir(info.path, info.state):
                 removed.append(path)
         return removed
+
+
+def _verify_source(p: Promotion, names: list[str]) -> None:
+    """Raises PersistError if the fast checkpoint is damaged (``verify_checkpoint``); skipped
+    (logged) when some rank's manifest is not in the directory (node-local fast tiers)."""
+    missing = [r for r in range(p.world_size) if manifest_name(r) not in names]
+    if missing:
+        logger.info("%s: ranks %s are on other nodes; not verified before the copy",
+                    p.source, missing)
+        return
+    from ..format.verify import EXIT_DAMAGED, EXIT_ERROR, verify_checkpoint
+
+    report = verify_checkpoint(p.source)
+    if report.exit_code in (EXIT_DAMAGED, EXIT_ERROR):
+        problems = report.problems[:3] or [str(report.error)]
+        raise PersistError(
+            f"{p.source} is damaged on the fast tier, not copied: {'; '.join(problems)}"
+        )
 
 
 def attach_persist_stats(stats: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
