@@ -35,8 +35,9 @@ request is bounded, :func:`dcp_datastates.storage.s3.open_fs`), copies check it 
 parts; past it the promotion fails and its multipart upload is aborted. Saving a checkpoint
 again supersedes this rank's promotions of its old contents (:meth:`Promoter.supersede`): the
 newest save wins on both tiers, a stopped copy stays partial on the slow tier until the new
-contents' promotion commits. Not guaranteed: the fast tier's files are not re-verified before
-the copy (``verify_checkpoint`` on either tier checks checksums); with several ranks, saving
+contents' promotion commits. Not guaranteed: the fast tier's files are re-verified before the
+copy only with ``verify`` (the persistence agent's default; ``verify_checkpoint`` on either tier
+checks checksums); with several ranks, saving
 again to a checkpoint name whose earlier promotion has not ended on every rank (a rank's own
 promotion removes its stale manifest first, but the coordinator may already have seen it); two
 *processes* (two jobs) promoting the same name into one persistent root (within one process, a
@@ -59,6 +60,12 @@ then fails).
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
+
+Where it runs: by default the writer's promoter is an
+:class:`~dcp_datastates.lifecycle.persist_client.AgentPromoter`, which only queues requests, and
+the :class:`Promoter` below runs in the fast root's persistence agent, a process of its own
+(:mod:`dcp_datastates.lifecycle.persist_agent`); with ``persist_agent=False`` it runs in the
+trainer, as described here.
 
 Threads: one promotion thread per writer, started when there is a promotion to run and ended
 after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight
