@@ -227,4 +227,4 @@ def test_cli_persist_agent_help(capsys: pytest.CaptureFixture[str], fast: Path) 
 def test_options_that_cannot_reach_the_agent_are_clear_errors(fast: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="persist_agent=False"):
         DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path),
-                         persist_storage_options={"session": object()})
+                         persist_storage_options={"client": object()})

@@ -9,7 +9,7 @@ Contracts:
 
 * Construction registers the calling process as a trainer of the fast root and makes sure an
   agent runs: if ``agent.lock`` is free it starts one (``python -m dcp_datastates persist-agent``,
-  ``start_new_session=True``: its own session and process group, so a signal to the trainer's
+  ``setsid`` through ``subprocess``: its own process group, so a signal to the trainer's
   group does not reach it); if an agent holds the lock (a restarted trainer finding the agent of
   its previous life, or one a launcher started) it is *adopted*: no second agent is started.
   ``submit`` and the waits check again (an agent that died is replaced).
@@ -59,8 +59,8 @@ def _package_parent() -> str:
 
 def start_agent(qdir: AgentDir) -> subprocess.Popen[bytes]:
     """Starts an agent for ``qdir``'s fast root with ``qdir``'s ``config.json``: the same Python,
-    the same package (its folder first on ``PYTHONPATH``), its own session, stdin closed, output
-    appended to ``agent.log``, working directory ``/``."""
+    the same package (its folder first on ``PYTHONPATH``), its own process group (``setsid``),
+    stdin closed, output appended to ``agent.log``, working directory ``/``."""
     with contextlib.suppress(OSError):
         if os.path.getsize(qdir.log_path) > _LOG_MAX_BYTES:
             os.replace(qdir.log_path, qdir.log_path + ".1")
