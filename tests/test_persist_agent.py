@@ -228,3 +228,15 @@ def test_options_that_cannot_reach_the_agent_are_clear_errors(fast: Path, tmp_pa
     with pytest.raises(ValueError, match="persist_agent=False"):
         DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path),
                          persist_storage_options={"client": object()})
+
+
+def test_a_recovered_older_checkpoint_never_moves_latest_back(fast: Path, tmp_path: Path) -> None:
+    slow = tmp_path / "slow"
+    _plain_saves(fast, [1, 2])
+    cfg = AgentConfig(slow_root=str(slow))
+    assert run_agent(str(fast), cfg, once=True) == (2, 0)
+    shutil.rmtree(slow / "step-1")  # as if its copy had never run
+    assert run_agent(str(fast), cfg, once=True) == (1, 0)  # found by the scan
+    assert (slow / "step-1" / METADATA_FILE).is_file()
+    assert latest_complete(slow) == slow / "step-2"
+    assert (slow / "latest").read_text().strip() == "step-2"

@@ -113,7 +113,8 @@ class Agent:
             source = os.path.join(self.q.fast_root, *req.rel.split("/"))
             try:
                 p = self._promoter(req.config, req.rank).submit(
-                    source, req.rank, req.world_size, req.coordinator, t_submit=req.t_submit
+                    source, req.rank, req.world_size, req.coordinator, t_submit=req.t_submit,
+                    recovered=req.trainer == "scan",
                 )
             except (RuntimeError, ValueError) as e:  # e.g. a bad persist_to in the request
                 self._result(req, {"error": f"{type(e).__name__}: {e}", "bytes": 0})

@@ -139,7 +139,7 @@ class AgentPromoter(Promoter):
     # -- submission (save threads) ---------------------------------------------------------------
     def submit(
         self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool,
-        t_submit: float | None = None,
+        t_submit: float | None = None, recovered: bool = False,
     ) -> Promotion:
         """Queues the request durably, then makes sure an agent runs; returns its record."""
         if os.getpid() != self._pid:

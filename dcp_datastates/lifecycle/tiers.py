@@ -162,6 +162,9 @@ class Promotion:
     pruned: list[str] = field(default_factory=list)  # deleted by the tiers' retention after it
     retention_error: str | None = None
     superseded: bool = False  # stopped: a newer save of the same checkpoint replaces it
+    # Found by the persistence agent's scan (not saved just now): `latest` is moved to it only
+    # where no newer step is complete (a late recovery never moves `latest` backwards).
+    recovered: bool = False
     started: bool = False  # taken off the queue by the promotion thread
     reported: bool = False
     done: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -174,7 +177,7 @@ class Promotion:
         return d
 
 
-_PRIVATE = ("done", "cancel", "reported", "started")
+_PRIVATE = ("done", "cancel", "reported", "started", "recovered")
 
 
 def _rank_files(names: list[str], rank: int) -> list[str]:
@@ -450,10 +453,11 @@ class Promoter:
 
     def submit(
         self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool,
-        t_submit: float | None = None,
+        t_submit: float | None = None, recovered: bool = False,
     ) -> Promotion:
         """Queues the promotion of this rank's part of a committed checkpoint; returns its
-        record. ``t_submit``: when it was submitted (``time.perf_counter()``; default now)."""
+        record. ``t_submit``: when it was submitted (``time.perf_counter()``; default now);
+        ``recovered``: found by the agent's scan (see :attr:`Promotion.recovered`)."""
         if os.getpid() != self._pid:
             raise RuntimeError("a forked child cannot promote its parent's checkpoints")
         rel = self.relative(checkpoint_path)
@@ -464,6 +468,7 @@ class Promoter:
             coordinator=coordinator,
             world_size=max(1, world_size),
             t_submit=time.perf_counter() if t_submit is None else t_submit,
+            recovered=recovered,
         )
         with self._lock:
             if self._closed:
@@ -648,7 +653,7 @@ class Promoter:
         if fd is None:
             raise PersistError(f"the fast checkpoint {p.source} is gone or being deleted")
         try:
-            if p.coordinator and "/" not in rel:
+            if p.coordinator and "/" not in rel and not self._newer_on(p, fast=True):
                 try:
                     update_latest(self.fast_root, rel)  # the fast tier's own `latest`
                 except (OSError, ValueError) as e:
@@ -691,11 +696,23 @@ class Promoter:
             slow.sync_dir(rel)
             slow.remove(f"{rel}/{INCOMPLETE_MARKER}")
             slow.sync_dir(rel)
-            if "/" not in rel:
+            if "/" not in rel and not self._newer_on(p, fast=False):
                 slow.point_latest(rel)
             return total
         finally:
             unlock(fd)
+
+    def _newer_on(self, p: Promotion, fast: bool) -> bool:
+        """For a recovered promotion: True if a tier holds a complete checkpoint of a higher
+        step (its `latest` then stays)."""
+        step = parse_step(os.path.basename(p.source))
+        if not p.recovered or step is None:
+            return False
+        if fast:
+            names = {i.name: i.complete for i in list_checkpoints(self.fast_root)}
+        else:
+            names = self.slow.complete_steps()
+        return any(ok and (s := parse_step(n)) is not None and s > step for n, ok in names.items())
 
     # -- retention (the promotion thread, after each promotion) ----------------------------------
     def _retain(self, p: Promotion) -> None:
