@@ -76,8 +76,9 @@ def _agent_pid(fast: Path) -> int | None:
 
 
 def test_sigkill_trials_fast() -> None:
-    """12 SIGKILL trials (tests/persist_trials.py): nothing committed on the fast tier is lost."""
-    summary = run(12, seed0=0)
+    """6 SIGKILL trials (tests/persist_trials.py; about 15 s each on a loaded 2-core machine):
+    nothing committed on the fast tier is lost."""
+    summary = run(6, seed0=0)
     assert summary["failed"] == 0, summary["failures"]
 
 
