@@ -1,5 +1,5 @@
-"""Command line: ``dcp-datastates verify PATH...``, ``dcp-datastates cleanup ROOT`` and
-``dcp-datastates export CKPT OUT``.
+"""Command line: ``dcp-datastates verify PATH...``, ``dcp-datastates cleanup ROOT``,
+``dcp-datastates export CKPT OUT`` and ``dcp-datastates persist-agent FAST_ROOT``.
 
 ``dcp-datastates`` is the console command the package installs; it works from any directory.
 ``python -m dcp_datastates ...`` is the same, except inside a source checkout that was not built
@@ -17,7 +17,9 @@ hold: the error names it), 2 if the input is not a checkpoint, the selection hol
 it is a terminal (``--progress`` forces it, ``--quiet`` turns it off). Object-store URLs
 (``s3://...``) take their storage options from fsspec's configuration
 (``FSSPEC_S3='{"endpoint_url": ...}'``); ``cleanup`` of such a root requires ``--min-age``
-(:mod:`dcp_datastates.lifecycle.remote`).
+(:mod:`dcp_datastates.lifecycle.remote`). ``persist-agent`` exits 0 when everything it was
+handed or found is on the persistent tier (or another agent serves the root), 1 if a copy failed,
+2 on bad usage.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .format.verify import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, verify_paths
 
@@ -150,6 +153,103 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_AGENT_HELP = """\
+Copies the checkpoints committed under FAST_ROOT (the writers' path: /dev/shm, local NVMe) to the
+persistent tier, in a process that outlives the trainers. Writers created with persist_to= start
+one on their own (this command, with --config); start it yourself when a launcher supervises it,
+or afterwards (--once) to finish the promotion of a job that is gone.
+
+One agent per FAST_ROOT (a lock file under FAST_ROOT/.datastates-agent/; a second one exits at
+once). At start it queues every checkpoint complete on the fast tier but not on the persistent one;
+then it copies what writers queue there (.metadata last, then `latest`, then retention). It exits
+when no registered trainer is alive, nothing is queued and nothing is found (with --linger, not
+before SECONDS after its start; with --once, without waiting for trainers). See
+docs/configuration.md, "Recovery".
+"""
+
+
+def _add_agent_parser(sub: Any) -> None:
+    a = sub.add_parser(
+        "persist-agent", help="copy committed fast-tier checkpoints to the persistent tier, "
+        "outliving the trainers", description=_AGENT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a.add_argument("fast_root", help="the fast tier's root (the writers' path)")
+    a.add_argument("--persist-to", default=None, metavar="URL",
+                   help="the persistent tier: a path or an fsspec URL (what the writers' "
+                   "persist_to says); default: from --config or FAST_ROOT's config.json")
+    a.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON configuration written by a writer (what writers pass)")
+    a.add_argument("--storage-options", default=None, metavar="JSON",
+                   help="fsspec options of --persist-to, as a JSON object")
+    a.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="bound of one copy (persist_timeout; default 600)")
+    a.add_argument("--persist-retention", type=int, default=None, metavar="N",
+                   help="keep the newest N complete checkpoints on the persistent tier")
+    a.add_argument("--fast-retention", type=int, default=None, metavar="N",
+                   help="keep the newest N checkpoints on the fast tier (deleting only "
+                   "persisted ones)")
+    a.add_argument("--no-durable", action="store_true", help="do not fsync the copies")
+    a.add_argument("--no-verify", action="store_true",
+                   help="do not verify fast checkpoints (checksums) before copying them")
+    a.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                   help="wait at least SECONDS for a trainer to register (a launcher starting "
+                   "the agent before its trainers); default 0")
+    a.add_argument("--once", action="store_true",
+                   help="do not wait for trainers: copy what is queued or missing, then exit")
+    a.add_argument("--status", action="store_true",
+                   help="print whether an agent runs, its queue and trainers (JSON); exit")
+
+
+def _agent_config(args: argparse.Namespace) -> Any:
+    """The agent's configuration from its options; None: the one in FAST_ROOT (config.json)."""
+    import json
+
+    from .lifecycle.checkpoints import RetentionPolicy
+    from .lifecycle.persist_queue import AgentConfig
+
+    if args.config is not None:
+        with open(args.config, "rb") as f:
+            return AgentConfig.from_json(json.loads(f.read()))
+    if args.persist_to is None:
+        return None
+    opts = json.loads(args.storage_options) if args.storage_options else {}
+    if not isinstance(opts, dict):
+        raise ValueError("--storage-options must be a JSON object")
+
+    def policy(n: int | None) -> RetentionPolicy | None:
+        return None if n is None else RetentionPolicy(keep_last=n)
+
+    return AgentConfig(
+        slow_root=args.persist_to, storage_options=opts, timeout_s=args.timeout,
+        durable=not args.no_durable, fast_retention=policy(args.fast_retention),
+        persist_retention=policy(args.persist_retention), verify=not args.no_verify,
+    )
+
+
+def _persist_agent(args: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    from .lifecycle.persist_agent import agent_summary, run_agent
+
+    if args.status:
+        print(json.dumps(agent_summary(args.fast_root), indent=1))
+        return EXIT_OK
+    try:
+        config = _agent_config(args)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        print(f"error: bad agent configuration: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if config is None and not Path(args.fast_root, ".datastates-agent", "config.json").is_file():
+        print("error: give --persist-to (or --config)", file=sys.stderr)
+        return EXIT_ERROR
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    _, failed = run_agent(args.fast_root, config, linger_s=args.linger, once=args.once)
+    return EXIT_DAMAGED if failed else EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dcp-datastates",
@@ -215,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                    "param_groups.* of an optimizer state dict, e.g. optim.state.*) is left out")
     x.add_argument("--overwrite", action="store_true", help="replace existing output files")
     _progress_flags(x)
+    _add_agent_parser(sub)
     args = p.parse_args(argv)
+    if args.cmd == "persist-agent":
+        return _persist_agent(args)
     if args.cmd == "export":
         return _export(args)
     if args.cmd == "verify":

@@ -47,6 +47,11 @@ from dcp_datastates.lifecycle.checkpoints import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
+# The copies in a thread of the test process (persist_agent=False): these tests drive the
+# promotion itself (monkeypatched copies, timeouts, supersedes); the persistence agent, which runs
+# the same Promoter in a process of its own, is tested in tests/test_persist_agent.py.
+OPTS: dict[str, Any] = {"host_cache_size": "8MiB", "persist_agent": False}
+
 
 @pytest.fixture
 def fast() -> Iterator[Path]:
@@ -79,7 +84,7 @@ def load_local(path: str | Path, like: dict[str, Any]) -> dict[str, Any]:
 def test_local_slow_tier_commit_latest_and_resume(fast: Path, tmp_path: Path) -> None:
     slow = tmp_path / "slow"
     states = [state(s) for s in range(3)]
-    with DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(slow)) as w:
+    with DataStatesWriter(fast, **OPTS, persist_to=str(slow)) as w:
         for i, sd in enumerate(states):
             dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / f"step-{i}")).result(
                 HANG_S
@@ -125,7 +130,7 @@ def test_s3_slow_tier_metadata_last_and_stock_load(fast: Path, s3: S3Bucket) -> 
     mp.setattr(tiers._Slow, "copy_file", copy_file)
     try:
         with DataStatesWriter(
-            fast, host_cache_size="8MiB", persist_to=url,
+            fast, **OPTS, persist_to=url,
             persist_storage_options=s3.storage_options,
         ) as w:
             dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-5")).result(HANG_S)
@@ -161,7 +166,7 @@ def test_slow_tier_failure_is_reported_and_the_fast_checkpoint_survives(
     sd = state(3)
     url = s3.url("run")
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options
+        fast, **OPTS, persist_to=url, persist_storage_options=s3.storage_options
     ) as w:
         s3.server.stop()  # the object store goes down
         fut = dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-1"))
@@ -204,7 +209,7 @@ def test_a_partial_slow_copy_never_looks_complete(
 
     monkeypatch.setattr(tiers._Slow, "copy_file", failing_copy)
     sd = state(1)
-    with DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(slow)) as w:
+    with DataStatesWriter(fast, **OPTS, persist_to=str(slow)) as w:
         dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-9")).result(HANG_S)
         with pytest.raises(PersistError, match="No space left"):
             w.wait_persisted(timeout=HANG_S)
@@ -215,22 +220,22 @@ def test_a_partial_slow_copy_never_looks_complete(
 
 def test_bad_configurations_are_clear_errors(fast: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="incremental"):
-        DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path), incremental=True)
+        DataStatesWriter(fast, **OPTS, persist_to=str(tmp_path), incremental=True)
     with pytest.raises(ValueError, match="local directory"):
-        DataStatesWriter("s3://b/x", host_cache_size="8MiB", persist_to=str(tmp_path))
+        DataStatesWriter("s3://b/x", **OPTS, persist_to=str(tmp_path))
     with pytest.raises(ValueError, match="own path"):
-        DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(fast))
+        DataStatesWriter(fast, **OPTS, persist_to=str(fast))
     with pytest.raises(ValueError, match="persist_timeout"):
-        DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path), persist_timeout=0)
+        DataStatesWriter(fast, **OPTS, persist_to=str(tmp_path), persist_timeout=0)
     with pytest.raises(ValueError, match="need persist_to"):
         DataStatesWriter(fast, host_cache_size="8MiB", fast_retention=2)
     with pytest.raises(ValueError, match="persist_retention must keep at least 1"):
         DataStatesWriter(
-            fast, host_cache_size="8MiB", persist_to=str(tmp_path), persist_retention=0
+            fast, **OPTS, persist_to=str(tmp_path), persist_retention=0
         )
     with pytest.raises(TypeError, match="fast_retention must be None, an int"):
-        DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path), fast_retention="2")
-    with DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(tmp_path / "s")) as w:
+        DataStatesWriter(fast, **OPTS, persist_to=str(tmp_path), fast_retention="2")
+    with DataStatesWriter(fast, **OPTS, persist_to=str(tmp_path / "s")) as w:
         with pytest.raises(BaseException, match="not inside the writer.s path"):
             dcp.save(state(0), storage_writer=w, checkpoint_id=str(tmp_path / "elsewhere"))
         assert not (tmp_path / "elsewhere" / METADATA_FILE).exists()
@@ -243,7 +248,8 @@ def _saving_child(fast: Path, slow: Path, name: str) -> str:
         import os, warnings; warnings.simplefilter("ignore")
         import torch, torch.distributed.checkpoint as dcp
         from dcp_datastates import DataStatesWriter
-        w = DataStatesWriter({str(fast)!r}, host_cache_size="8MiB", persist_to={str(slow)!r})
+        w = DataStatesWriter({str(fast)!r}, host_cache_size="8MiB", persist_to={str(slow)!r},
+                             persist_agent=False)
         sd = {{"x": torch.arange(400_000, dtype=torch.float32)}}
         dcp.async_save(sd, storage_writer=w, checkpoint_id={str(fast / name)!r}).result(60)
         """
@@ -285,7 +291,7 @@ def _two_rank_body(rank: int, world_size: int, fast_root: str, slow_root: str) -
     pg = dist.new_group(backend="gloo")
     g = torch.Generator().manual_seed(100 + rank)
     sd = {f"r{rank}": torch.randn(200_000, generator=g), "shared": torch.arange(10.0)}
-    with DataStatesWriter(fast_rank, host_cache_size="8MiB", persist_to=slow_root) as w:
+    with DataStatesWriter(fast_rank, **OPTS, persist_to=slow_root) as w:
         for step in (1, 2):
             dcp.async_save(sd, storage_writer=w, process_group=pg,
                            checkpoint_id=os.path.join(fast_rank, f"step-{step}")).result(HANG_S)
@@ -362,7 +368,7 @@ def test_retention_per_tier(fast: Path, tmp_path: Path) -> None:
     slow = tmp_path / "slow"
     states = [state(10 + i) for i in range(4)]
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1,
+        fast, **OPTS, persist_to=str(slow), fast_retention=1,
         persist_retention=RetentionPolicy(keep_last=2),
     ) as w:
         for i, sd in enumerate(states):
@@ -401,7 +407,7 @@ def test_fast_retention_keeps_a_checkpoint_whose_copy_failed(
     monkeypatch.setattr(tiers._Slow, "copy_file", copy_file)
     states = {i: state(20 + i) for i in range(4)}
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1
+        fast, **OPTS, persist_to=str(slow), fast_retention=1
     ) as w:
         for i in (0, 1, 2, 3):
             dcp.async_save(states[i], storage_writer=w,
@@ -484,8 +490,8 @@ def test_two_writers_promoting_into_one_persistent_name(
 
     monkeypatch.setattr(tiers._Slow, "copy_file", copy_file)
     sa, sb = state(31), state(32)
-    with DataStatesWriter(fa, host_cache_size="8MiB", persist_to=str(slow)) as wa, \
-            DataStatesWriter(fb, host_cache_size="8MiB", persist_to=str(slow)) as wb:
+    with DataStatesWriter(fa, **OPTS, persist_to=str(slow)) as wa, \
+            DataStatesWriter(fb, **OPTS, persist_to=str(slow)) as wb:
         dcp.async_save(sa, storage_writer=wa, checkpoint_id=str(fa / "step-1")).result(HANG_S)
         assert entered.wait(HANG_S)
         try:
@@ -504,7 +510,7 @@ def test_persistent_retention_on_s3(fast: Path, s3: S3Bucket) -> None:
     url = s3.url("run")
     states = [state(40 + i) for i in range(3)]
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options,
+        fast, **OPTS, persist_to=url, persist_storage_options=s3.storage_options,
         persist_retention=1,
     ) as w:
         for i, sd in enumerate(states):
@@ -529,7 +535,7 @@ def test_fast_retention_keeps_a_checkpoint_never_persisted(fast: Path, tmp_path:
     with DataStatesWriter(fast, host_cache_size="8MiB") as w:
         dcp.async_save(s1, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1
+        fast, **OPTS, persist_to=str(slow), fast_retention=1
     ) as w:
         for i in (2, 3):
             dcp.async_save(state(50 + i), storage_writer=w,
@@ -540,7 +546,7 @@ def test_fast_retention_keeps_a_checkpoint_never_persisted(fast: Path, tmp_path:
     assert_state_equal(s1, load_local(fast / "step-1", s1))
     # With persist_retention, a step that policy drops anyway may go from the fast tier too.
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=str(slow), fast_retention=1,
+        fast, **OPTS, persist_to=str(slow), fast_retention=1,
         persist_retention=2,
     ) as w:
         dcp.async_save(state(54), storage_writer=w,
@@ -592,7 +598,7 @@ def test_persist_timeout_bounds_each_copy_wait_persisted_and_close(
     url = "s3://ckpt/run"
     timeout = 3.0
     w = DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=url, persist_timeout=timeout,
+        fast, **OPTS, persist_to=url, persist_timeout=timeout,
         persist_storage_options=tarpit.storage_options(connect_s=1, read_s=1),
     )
     try:
@@ -638,7 +644,7 @@ def test_a_copy_past_persist_timeout_aborts_its_upload(
     url = s3.url("run")
     sd = {"w": torch.randn(3 * 1024**2), "step": 1}  # 12 MiB: three parts
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=url, persist_timeout=3.0,
+        fast, **OPTS, persist_to=url, persist_timeout=3.0,
         persist_storage_options=s3.storage_options,
     ) as w:
         dcp.async_save(sd, storage_writer=w, checkpoint_id=str(fast / "step-1")).result(HANG_S)
@@ -672,7 +678,7 @@ def test_saving_again_while_its_copy_runs_supersedes_the_copy(
     monkeypatch.setattr(tiers._Slow, "copy_file", slow_copy)
     ckpt = fast / "step-1"
     states = [state(50 + i) for i in range(4)]
-    with DataStatesWriter(fast, host_cache_size="8MiB", persist_to=str(slow)) as w:
+    with DataStatesWriter(fast, **OPTS, persist_to=str(slow)) as w:
         for sd in states:
             copying.clear()
             dcp.async_save(sd, storage_writer=w, checkpoint_id=str(ckpt)).result(HANG_S)
@@ -713,7 +719,7 @@ def test_a_superseded_s3_copy_aborts_its_upload(
     states = [{"w": torch.randn(3 * 1024**2, generator=torch.Generator().manual_seed(i))}
               for i in range(3)]
     with DataStatesWriter(
-        fast, host_cache_size="8MiB", persist_to=url, persist_storage_options=s3.storage_options,
+        fast, **OPTS, persist_to=url, persist_storage_options=s3.storage_options,
     ) as w:
         for sd in states:
             parts.clear()

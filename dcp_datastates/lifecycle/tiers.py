@@ -35,8 +35,9 @@ request is bounded, :func:`dcp_datastates.storage.s3.open_fs`), copies check it 
 parts; past it the promotion fails and its multipart upload is aborted. Saving a checkpoint
 again supersedes this rank's promotions of its old contents (:meth:`Promoter.supersede`): the
 newest save wins on both tiers, a stopped copy stays partial on the slow tier until the new
-contents' promotion commits. Not guaranteed: the fast tier's files are not re-verified before
-the copy (``verify_checkpoint`` on either tier checks checksums); with several ranks, saving
+contents' promotion commits. Not guaranteed: the fast tier's files are re-verified before the
+copy only with ``verify`` (the persistence agent's default; ``verify_checkpoint`` on either tier
+checks checksums); with several ranks, saving
 again to a checkpoint name whose earlier promotion has not ended on every rank (a rank's own
 promotion removes its stale manifest first, but the coordinator may already have seen it); two
 *processes* (two jobs) promoting the same name into one persistent root (within one process, a
@@ -59,6 +60,12 @@ then fails).
 
 Resume: :func:`resume_path` takes the newest complete checkpoint of either tier, from the fast
 tier when it has it (a fast tier wiped by a node replacement falls back to the slow tier).
+
+Where it runs: by default the writer's promoter is an
+:class:`~dcp_datastates.lifecycle.persist_client.AgentPromoter`, which only queues requests, and
+the :class:`Promoter` below runs in the fast root's persistence agent, a process of its own
+(:mod:`dcp_datastates.lifecycle.persist_agent`); with ``persist_agent=False`` it runs in the
+trainer, as described here.
 
 Threads: one promotion thread per writer, started when there is a promotion to run and ended
 after a few idle seconds; not a daemon, so the interpreter waits for the promotions in flight
@@ -155,6 +162,9 @@ class Promotion:
     pruned: list[str] = field(default_factory=list)  # deleted by the tiers' retention after it
     retention_error: str | None = None
     superseded: bool = False  # stopped: a newer save of the same checkpoint replaces it
+    # Found by the persistence agent's scan (not saved just now): `latest` is moved to it only
+    # where no newer step is complete (a late recovery never moves `latest` backwards).
+    recovered: bool = False
     started: bool = False  # taken off the queue by the promotion thread
     reported: bool = False
     done: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -167,7 +177,7 @@ class Promotion:
         return d
 
 
-_PRIVATE = ("done", "cancel", "reported", "started")
+_PRIVATE = ("done", "cancel", "reported", "started", "recovered")
 
 
 def _rank_files(names: list[str], rank: int) -> list[str]:
@@ -386,6 +396,9 @@ class Promoter:
             rank to ``fast_root`` after each of its promotions; None keeps everything.
         persist_retention: retention of the persistent tier (``prune`` semantics), applied by
             the coordinator after each checkpoint it committed there; None keeps everything.
+        verify: the coordinator verifies the fast checkpoint (``verify_checkpoint``: every
+            checksum) before copying it, when every rank's manifest is in its fast directory; a
+            damaged one is not copied (its promotion fails). The persistence agent sets it.
     """
 
     def __init__(
@@ -397,6 +410,7 @@ class Promoter:
         durable: bool = True,
         fast_retention: RetentionPolicy | int | None = None,
         persist_retention: RetentionPolicy | int | None = None,
+        verify: bool = False,
     ) -> None:
         if not fast_root or is_url(fast_root):
             raise ValueError(
@@ -416,6 +430,7 @@ class Promoter:
         self.timeout_s = float(timeout_s)
         self.fast_policy = as_policy(fast_retention, "fast_retention")
         self.slow_policy = as_policy(persist_retention, "persist_retention")
+        self.verify = verify
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._queue: queue.Queue[Promotion | None] = queue.Queue()
@@ -436,8 +451,13 @@ class Promoter:
             )
         return rel.replace(os.sep, "/")
 
-    def submit(self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool) -> None:
-        """Queues the promotion of this rank's part of a committed checkpoint."""
+    def submit(
+        self, checkpoint_path: str, rank: int, world_size: int, coordinator: bool,
+        t_submit: float | None = None, recovered: bool = False,
+    ) -> Promotion:
+        """Queues the promotion of this rank's part of a committed checkpoint; returns its
+        record. ``t_submit``: when it was submitted (``time.perf_counter()``; default now);
+        ``recovered``: found by the agent's scan (see :attr:`Promotion.recovered`)."""
         if os.getpid() != self._pid:
             raise RuntimeError("a forked child cannot promote its parent's checkpoints")
         rel = self.relative(checkpoint_path)
@@ -447,7 +467,8 @@ class Promoter:
             rank=rank,
             coordinator=coordinator,
             world_size=max(1, world_size),
-            t_submit=time.perf_counter(),
+            t_submit=time.perf_counter() if t_submit is None else t_submit,
+            recovered=recovered,
         )
         with self._lock:
             if self._closed:
@@ -460,6 +481,7 @@ class Promoter:
                     target=self._run, name="dcp_datastates-promoter", daemon=False
                 )
                 self._thread.start()
+        return p
 
     def supersede(self, checkpoint_path: str, timeout: float | None = None) -> None:
         """A new save of ``checkpoint_path`` begins: this rank's promotions of its previous
@@ -631,7 +653,7 @@ class Promoter:
         if fd is None:
             raise PersistError(f"the fast checkpoint {p.source} is gone or being deleted")
         try:
-            if p.coordinator and "/" not in rel:
+            if p.coordinator and "/" not in rel and not self._newer_on(p, fast=True):
                 try:
                     update_latest(self.fast_root, rel)  # the fast tier's own `latest`
                 except (OSError, ValueError) as e:
@@ -643,6 +665,8 @@ class Promoter:
                 raise PersistError(f"{p.source} has no manifest of rank {p.rank}")
             if p.coordinator and METADATA_FILE not in names:
                 raise PersistError(f"{p.source} is not committed (no {METADATA_FILE})")
+            if p.coordinator and self.verify:
+                _verify_source(p, names)
             slow = self.slow
             slow.makedirs(rel)
             if not slow.exists(f"{rel}/{INCOMPLETE_MARKER}"):
@@ -672,11 +696,23 @@ class Promoter:
             slow.sync_dir(rel)
             slow.remove(f"{rel}/{INCOMPLETE_MARKER}")
             slow.sync_dir(rel)
-            if "/" not in rel:
+            if "/" not in rel and not self._newer_on(p, fast=False):
                 slow.point_latest(rel)
             return total
         finally:
             unlock(fd)
+
+    def _newer_on(self, p: Promotion, fast: bool) -> bool:
+        """For a recovered promotion: True if a tier holds a complete checkpoint of a higher
+        step (its `latest` then stays)."""
+        step = parse_step(os.path.basename(p.source))
+        if not p.recovered or step is None:
+            return False
+        if fast:
+            names = {i.name: i.complete for i in list_checkpoints(self.fast_root)}
+        else:
+            names = self.slow.complete_steps()
+        return any(ok and (s := parse_step(n)) is not None and s > step for n, ok in names.items())
 
     # -- retention (the promotion thread, after each promotion) ----------------------------------
     def _retain(self, p: Promotion) -> None:
@@ -748,6 +784,24 @@ class Promoter:
             if persisted and _remove_checkpoint_dir(info.path, info.state):
                 removed.append(path)
         return removed
+
+
+def _verify_source(p: Promotion, names: list[str]) -> None:
+    """Raises PersistError if the fast checkpoint is damaged (``verify_checkpoint``); skipped
+    (logged) when some rank's manifest is not in the directory (node-local fast tiers)."""
+    missing = [r for r in range(p.world_size) if manifest_name(r) not in names]
+    if missing:
+        logger.info("%s: ranks %s are on other nodes; not verified before the copy",
+                    p.source, missing)
+        return
+    from ..format.verify import EXIT_DAMAGED, EXIT_ERROR, verify_checkpoint
+
+    report = verify_checkpoint(p.source)
+    if report.exit_code in (EXIT_DAMAGED, EXIT_ERROR):
+        problems = report.problems[:3] or [str(report.error)]
+        raise PersistError(
+            f"{p.source} is damaged on the fast tier, not copied: {'; '.join(problems)}"
+        )
 
 
 def attach_persist_stats(stats: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:

@@ -33,6 +33,7 @@ from ..engine import Engine
 from ..errors import CheckpointSaveError
 from ..format.layout import TemplateCache
 from ..lifecycle.checkpoints import RetentionPolicy
+from ..lifecycle.persist_client import AgentPromoter
 from ..lifecycle.tiers import Promoter
 from ..runtime.cpuload import CpuMeter
 from ..runtime.dcplog import skip_unheard_debug_events
@@ -99,6 +100,7 @@ def build_parts(
     persist_timeout: float,
     persist_retention: RetentionPolicy | int | None,
     fast_retention: RetentionPolicy | int | None,
+    persist_agent: bool,
     _extensions: Sequence[StreamTransformExtension] | None,
 ) -> WriterParts:
     """Checks a DataStatesWriter's options and builds its parts (the options are documented on
@@ -133,7 +135,7 @@ def build_parts(
     # before the engine: a bad value allocates nothing
     tracker, extensions, promoter = _save_features(
         path, config, incremental, _extensions, persist_to, persist_storage_options,
-        persist_timeout, persist_retention, fast_retention,
+        persist_timeout, persist_retention, fast_retention, persist_agent,
     )
     engine = _open_engine(config, pin_memory)
     meter = CpuMeter() if config.adapt_to_load and config.idle_priority else None
@@ -168,6 +170,7 @@ def _save_features(
     persist_timeout: float,
     persist_retention: RetentionPolicy | int | None,
     fast_retention: RetentionPolicy | int | None,
+    persist_agent: bool = True,
 ) -> tuple[Tracker | None, tuple[StreamTransformExtension, ...], Promoter | None]:
     """The optional features of the save path, checked against each other: the incremental
     tracker, the stream transforms and the persistent tier's promoter. Raises ValueError for a
@@ -193,7 +196,9 @@ def _save_features(
                 "checkpoint points at earlier checkpoints' files, which the persistent tier "
                 "would have to hold under the same names (save fully, or persist separately)"
             )
-        promoter = Promoter(
+        # agent mode: copies in a process of its own (lifecycle.persist_client), else a thread
+        cls = AgentPromoter if persist_agent else Promoter
+        promoter = cls(
             path, os.fspath(persist_to), persist_storage_options, persist_timeout,
             durable=config.durable, fast_retention=fast_retention,
             persist_retention=persist_retention,

@@ -171,6 +171,12 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
             each promotion: an int or a ``RetentionPolicy``; a checkpoint is deleted only once
             it is on the persistent tier (never one in flight or whose copy failed); None
             (default) keeps everything. Both need ``persist_to``.
+        persist_agent: True (default): the copies run in the fast root's *persistence agent*, a
+            process of its own that outlives the trainer (started here unless one runs; a
+            SIGKILL of the trainer loses nothing committed on the fast tier;
+            :mod:`dcp_datastates.lifecycle.persist_agent`; docs/configuration.md, "Recovery");
+            ``persist_storage_options`` must then be JSON-serializable. False: in a thread of
+            this process (where subprocesses are not allowed; the copies die with it).
         _extensions: stream transforms applied to every item, as ``FileSystemWriter``'s keyword
             of the same name (experimental in DCP): e.g. ``[ZStandard()]``; the stock reader
             undoes them. Transformed items are written by the save thread from the host cache
@@ -218,6 +224,7 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
         persist_timeout: float = 600.0,
         persist_retention: RetentionPolicy | int | None = None,
         fast_retention: RetentionPolicy | int | None = None,
+        persist_agent: bool = True,
         _extensions: Sequence[StreamTransformExtension] | None = None,
     ) -> None:
         parts = build_parts(
@@ -232,7 +239,7 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
             rank_liveness=rank_liveness, incremental=incremental,
             persist_to=persist_to, persist_storage_options=persist_storage_options,
             persist_timeout=persist_timeout, persist_retention=persist_retention,
-            fast_retention=fast_retention, _extensions=_extensions,
+            fast_retention=fast_retention, persist_agent=persist_agent, _extensions=_extensions,
         )
         super().__init__(parts)  # WriterControls: the parts become this writer's attributes
 
