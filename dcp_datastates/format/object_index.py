@@ -286,3 +286,40 @@ def referenced_locations(root: str) -> list[str] | None:
 
     walk(doc)
     return sorted(found)
+
+
+def verify_snapshot(root: str, rep: Any) -> None:
+    """Checks a torchsnapshot snapshot written through the plugin, filling ``rep`` (a
+    :class:`~dcp_datastates.format.verify.VerifyReport`): every object in the index against its
+    CRC-32C and size; every object ``.snapshot_metadata`` names must have a record. ``root`` is
+    the local directory ("" for a non-local URL, which is reported as not checkable)."""
+    if not root:
+        rep.error = "torchsnapshot snapshots are verified on local paths only"
+        return
+    records, problems, logs = load_index(root)
+    rep.problems.extend(problems)
+    rep.ranks = logs
+    if not logs:
+        rep.error = (f"a torchsnapshot snapshot without a {INDEX_DIR}/ checksum index (not "
+                     "written by the datastates plugin): nothing to verify it against")
+        return
+    if not os.path.exists(os.path.join(root, SNAPSHOT_METADATA)):
+        rep.problems.append(f"{SNAPSHOT_METADATA} is missing: the snapshot was never committed")
+    referenced = referenced_locations(root)
+    if referenced is None:
+        rep.unverified.append(f"{SNAPSHOT_METADATA} could not be parsed here (PyYAML): the "
+                              "objects it names were not cross-checked with the index")
+        referenced = []
+    for loc in [SNAPSHOT_METADATA, *referenced]:
+        if loc not in records and os.path.exists(os.path.join(root, SNAPSHOT_METADATA)):
+            rep.problems.append(f"{os.path.join(root, loc)}: named by the snapshot but has no "
+                                "checksum record")
+    for rec in records.values():
+        found, checked = check_object(root, rec)
+        rep.problems.extend(found)
+        rep.items += 1
+        rep.chunks += len(rec.chunks)
+        rep.bytes_checked += checked
+    if not rep.problems:
+        rep.notes.append(f"torchsnapshot snapshot: {len(records)} object(s) checked against "
+                         f"{logs} checksum log(s) in {INDEX_DIR}/")
