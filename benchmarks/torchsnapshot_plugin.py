@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     base = tempfile.mkdtemp(prefix="tsnap-bench-", dir=os.environ.get("BENCH_DIR"))
     try:
         registered = ensure_entry_point(os.path.join(base, "ep"))
+        machine = machine_info(base, "cpu")  # its load average: before the run
         dist.init_process_group("gloo", init_method=f"file://{base}/rdzv", rank=0, world_size=1)
         rows = [run_state(f"{a.size}:{mix}", a, base) for mix in a.mixes.split(",")]
         dist.destroy_process_group()
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(
                 ["python -m benchmarks.torchsnapshot_plugin", *(argv or sys.argv[1:])]
             ),
-            "machine": machine_info(base, "cpu"),
+            "machine": machine,
             "entry_point_registered_for_the_run": registered,
             "rows": rows,
             "loadavg_end": list(os.getloadavg()),
