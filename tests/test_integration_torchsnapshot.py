@@ -293,3 +293,23 @@ def test_plugin_dropped_without_close_exits(tmp_path: Path) -> None:
                          timeout=120, env=env, cwd=str(tmp_path))
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert (tmp_path / "a").stat().st_size == 3 << 20
+
+
+def test_benchmark_quick(tmp_path: Path) -> None:
+    """benchmarks/torchsnapshot_plugin.py end to end on a small state: JSON and PNG written."""
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["--size", "8MB", "--rounds", "1", "--out", str(out), "--plot", str(png)]
+    env = dict(os.environ, BENCH_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([*(p for p in sys.path if p), str(REPO)]))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.torchsnapshot_plugin", *args],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    doc = json.loads(out.read_text())
+    assert [r["state"].split("-")[1] for r in doc["rows"]] == ["mixed", "large"]
+    for r in doc["rows"]:
+        for mode in ("take", "async_take"):
+            assert set(r["median"][mode]) == {"fs", "datastates"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
