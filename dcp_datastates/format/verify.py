@@ -65,6 +65,7 @@ from ..runtime.progress import Progress
 from .commit import INCOMPLETE_MARKER, MANIFEST_PREFIX, METADATA_FILE, CheckpointDir
 from .layout import TemplateCache
 from .manifest import ItemRecord, RankManifest
+from .object_index import INDEX_DIR, SNAPSHOT_METADATA, verify_snapshot
 from .refs import is_reference_path, relative_path
 from .safetensors import SUFFIX as SAFETENSORS_SUFFIX
 from .safetensors import check_item as check_safetensors_item
@@ -393,6 +394,9 @@ class _Verifier:
         entries = d.fs.ls(d.path, detail=True)
         names = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
         manifests = sorted(n for n in names if n.startswith(MANIFEST_PREFIX))
+        if METADATA_FILE not in names and (SNAPSHOT_METADATA in names or INDEX_DIR in names):
+            verify_snapshot(d.path if d.local else "", rep)
+            return
         if METADATA_FILE not in names and not manifests and INCOMPLETE_MARKER not in names:
             rep.children = self._checkpoints_below(entries)
             if rep.children:
@@ -904,6 +908,8 @@ def verify_checkpoint(
     """
     spath = os.fspath(path)
     rep = VerifyReport(path=spath)
+    if spath.startswith("datastates://"):  # a torchsnapshot URL of our plugin: its local path
+        spath = spath[len("datastates://") :]
     try:
         v = _Verifier(spath, rep, storage_options)
     except (ValueError, ImportError, OSError) as e:  # a URL fsspec cannot handle
