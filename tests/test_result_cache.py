@@ -160,9 +160,9 @@ def test_lazy_metadata_reads_on_first_use_and_names_the_path(tmp_path: Any) -> N
     wire = pickle.dumps(md)
     assert len(wire) < 400
     lazy = pickle.loads(wire)
-    assert isinstance(lazy, LazyMetadata) and "state_dict_metadata" not in lazy.__dict__
+    assert isinstance(lazy, LazyMetadata) and "_fields" not in lazy.__dict__
     assert lazy.state_dict_metadata == md.state_dict_metadata
-    assert lazy == md
+    assert lazy == md and md == lazy and lazy == pickle.loads(pickle.dumps(md))
     gone = pickle.loads(pickle.dumps(LazyMetadata(str(tmp_path / "missing"))))
     with pytest.raises(OSError, match="missing"):
         _ = gone.storage_data

@@ -30,6 +30,13 @@ _FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta"
 _load_lock = threading.Lock()
 
 
+def _fields_equal(a: Metadata, b: object) -> bool:
+    """``Metadata``'s equality by fields, whatever the subclass on either side."""
+    if not isinstance(b, Metadata):
+        return NotImplemented
+    return all(getattr(a, f, None) == getattr(b, f, None) for f in _FIELDS)
+
+
 class LazyMetadata(Metadata):
     """A checkpoint's ``Metadata`` read from its ``.metadata`` file on first access of a field.
 
@@ -41,18 +48,36 @@ class LazyMetadata(Metadata):
         self.__dict__["_checkpoint"] = checkpoint
         self.__dict__["_storage_options"] = dict(storage_options or {})
 
-    def __getattr__(self, name: str) -> Any:
-        if name not in _FIELDS:
-            raise AttributeError(name)
+    def _loaded(self) -> dict[str, Any]:
+        """The fields, read from the checkpoint the first time."""
+        d = self.__dict__
         with _load_lock:
-            if name not in self.__dict__:
-                loaded = _read(self.__dict__["_checkpoint"], self.__dict__["_storage_options"])
-                for f in _FIELDS:
-                    self.__dict__[f] = getattr(loaded, f, None)
-        return self.__dict__[name]
+            if "_fields" not in d:
+                loaded = _read(d["_checkpoint"], d["_storage_options"])
+                d["_fields"] = {f: getattr(loaded, f, None) for f in _FIELDS}
+        return d["_fields"]  # type: ignore[no-any-return]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LazyMetadata, (self.__dict__["_checkpoint"], self.__dict__["_storage_options"]))
+
+    __eq__ = _fields_equal  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _field(name: str) -> property:
+    # A data descriptor: Metadata's class-level defaults (storage_data = None, ...) would
+    # otherwise answer before any __getattr__.
+    def get(self: LazyMetadata) -> Any:
+        return self._loaded()[name]
+
+    def set_(self: LazyMetadata, value: Any) -> None:
+        self._loaded()[name] = value
+
+    return property(get, set_)
+
+
+for _name in _FIELDS:
+    setattr(LazyMetadata, _name, _field(_name))
 
 
 class BroadcastMetadata(Metadata):
@@ -62,6 +87,9 @@ class BroadcastMetadata(Metadata):
     def __reduce__(self) -> tuple[Any, ...]:
         return (LazyMetadata, (self.__dict__["_checkpoint"],
                                self.__dict__.get("_storage_options") or {}))
+
+    __eq__ = _fields_equal  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
 
 
 def broadcast_as_reference(
