@@ -48,21 +48,25 @@ MIB = 1 << 20
 
 
 def torchrun(mode: str, nproc: int, cfg_path: str, timeout_s: float) -> dict[str, Any]:
-    """Runs one torchrun launch of the worker; returns its wall time, exit code and log tail."""
+    """Runs one torchrun launch of the worker; returns its wall time, exit code and log tail.
+
+    The worker runs as a script by path from the checkpoint root, not as ``-m`` from the
+    repository: its first lines put the repository *last* on ``sys.path``, so an installed
+    ``dcp_datastates`` (with its compiled engine) wins over the source tree (_as_script.py).
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "benchmarks.reshard_worker",
+           "--nproc-per-node", str(nproc), os.path.join(REPO, "benchmarks", "reshard_worker.py"),
            "--mode", mode, "--config", cfg_path]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), REPO) if p)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=timeout_s, check=False)
+        p = subprocess.run(cmd, cwd=os.path.dirname(cfg_path), env=env, capture_output=True,
+                           text=True, timeout=timeout_s, check=False)
         rc, log = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         rc, log = 124, f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
-    return {"command": " ".join(cmd[1:]), "mode": mode, "ranks": nproc, "rc": rc,
+    return {"command": " ".join(["python", *cmd[1:]]), "mode": mode, "ranks": nproc, "rc": rc,
             "wall_s": time.perf_counter() - t0, "log_tail": log[-4000:] if rc else ""}
 
 
@@ -182,7 +186,7 @@ def markdown(res: dict[str, Any], cfg: dict[str, Any]) -> str:
     save, names = res["save"], cfg["contenders"]
     worlds = [str(w) for w in cfg["load_ranks"] if str(w) in res["load"]]
     head = ["contender", f"save call ({cfg['ranks']} ranks)", "until committed",
-            "VmHWM growth, max rank", *[f"load on {w} (bit-exact)" for w in worlds]]
+            "VmHWM, max rank (growth in the save)", *[f"load on {w} (bit-exact)" for w in worlds]]
     rows = []
     for n in names:
         ref = save.get("stock") if n != "stock" else None
@@ -190,7 +194,7 @@ def markdown(res: dict[str, Any], cfg: dict[str, Any]) -> str:
         row = [f"`{n}`", f"{s['call_s']:.3f} s{_fmt_ratio(s['call_s'], ref and ref['call_s'])}",
                f"{s['committed_s']:.3f} s"
                f"{_fmt_ratio(s['committed_s'], ref and ref['committed_s'])}",
-               f"{s['growth_max_bytes'] / MIB:.0f} MiB"]
+               f"{s['vmhwm_max_bytes'] / MIB:.0f} MiB (+{s['growth_max_bytes'] / MIB:.0f})"]
         for w in worlds:
             ld = res["load"][w][n]
             row.append(f"{ld['load_s']:.3f} s ({'yes' if ld['bit_exact'] else 'NO'})")
@@ -240,15 +244,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per torchrun launch")
     ap.add_argument("--dir", default="", help="checkpoint directory (default: a temp dir)")
     ap.add_argument("--out", default="", help="directory for reshard.json, .png and .md")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints (see the JSON)")
     a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     a.contenders = [c for c in a.contenders.split(",") if c]
     if not a.contenders or set(a.contenders) - set(CONTENDERS):
         ap.error(f"--contenders: of {','.join(CONTENDERS)}")
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
+def benchmark(a: argparse.Namespace) -> dict[str, Any]:
+    """Runs every launch; returns the document written to ``reshard.json``. The checkpoints
+    are deleted unless ``a.keep`` (then they stay under ``doc["config"]["root"]``)."""
     shape = rs.TINY if a.tiny else rs.Shape(layers=a.layers)
     base = tempfile.mkdtemp(prefix="dcpds-reshard-", dir=a.dir or None)
     cfg = {"root": base, "ranks": a.ranks, "contenders": a.contenders,
@@ -256,25 +263,38 @@ def main(argv: list[str] | None = None) -> int:
            "load_rounds": a.load_rounds, "shape": dataclasses.asdict(shape)}
     from benchmarks.report import machine_info, now_iso
 
-    doc: dict[str, Any] = {"command": " ".join(["python -m benchmarks.reshard", *sys.argv[1:]]),
+    doc: dict[str, Any] = {"command": " ".join(["python -m benchmarks.reshard", *a.argv]),
                            "date": now_iso(), "machine": machine_info(base, "cpu"),
                            "config": cfg}
     t0 = time.perf_counter()
     try:
         doc.update(run(cfg, a.timeout))
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
     doc["wall_s"] = time.perf_counter() - t0
     doc["problems"] = ok(doc, cfg)
+    return doc
+
+
+def write(doc: dict[str, Any], out: str) -> str:
+    """Writes reshard.json, reshard.png and reshard.md to ``out``; returns the table."""
+    cfg = doc["config"]
     table = markdown(doc, cfg) if doc["save"] else ""
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "reshard.json"), "w") as f:
-            json.dump(doc, f, indent=1)
-        if doc["save"]:
-            plot(doc, cfg, os.path.join(a.out, "reshard.png"))
-            with open(os.path.join(a.out, "reshard.md"), "w") as f:
-                f.write(f"`{doc['command']}`\n\n{table}\n")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "reshard.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    if doc["save"]:
+        plot(doc, cfg, os.path.join(out, "reshard.png"))
+        with open(os.path.join(out, "reshard.md"), "w") as f:
+            f.write(f"`{doc['command']}`\n\n{table}\n")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    doc = benchmark(a)
+    table = write(doc, a.out) if a.out else (markdown(doc, doc["config"]) if doc["save"] else "")
     print(table)
     for launch in doc["launches"]:
         print(f"torchrun {launch['mode']} x{launch['ranks']}: rc {launch['rc']}, "

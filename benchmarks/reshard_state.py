@@ -133,10 +133,15 @@ def expected(shape: Shape, kind: str, fqn: str, global_shape: torch.Size,
     return _EXPECTED[cache_key]
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape and dtype and the same bits (-0.0 differs from 0.0)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    """Same shape and dtype and the same bits (-0.0 differs from 0.0, a NaN equals itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = _SAME_SIZE_INT[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def local_part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:

@@ -1,7 +1,7 @@
 """One rank of :mod:`benchmarks.reshard`, started by torchrun (never by hand)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 16 \\
-        -m benchmarks.reshard_worker --mode save --config ROOT/config.json
+        benchmarks/reshard_worker.py --mode save --config ROOT/config.json
 
 torchrun sets ``RANK``/``WORLD_SIZE`` and the rendezvous; the rank joins a gloo group. The
 configuration file (written by the parent) names the checkpoint root, the contenders, the rounds
@@ -34,12 +34,17 @@ import time
 import warnings
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+if __package__ in (None, ""):
+    import runpy
 
-from benchmarks import reshard_state as rs
-from benchmarks.metrics import PeakRSS, evict_page_cache, release_memory, rss_bytes
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_as_script.py"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from benchmarks import reshard_state as rs  # noqa: E402
+from benchmarks.metrics import PeakRSS, evict_page_cache, release_memory, rss_bytes  # noqa: E402
 
 
 def _rotated(names: list[str], k: int) -> list[str]:
