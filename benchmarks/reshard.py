@@ -65,7 +65,9 @@ def torchrun(mode: str, nproc: int, cfg_path: str, timeout_s: float) -> dict[str
                            text=True, timeout=timeout_s, check=False)
         rc, log = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        rc, log = 124, f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+        parts = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                 for x in (e.stdout, e.stderr)]
+        rc, log = 124, f"timed out after {timeout_s:.0f} s\n" + "".join(parts)
     return {"command": " ".join(["python", *cmd[1:]]), "mode": mode, "ranks": nproc, "rc": rc,
             "wall_s": time.perf_counter() - t0, "log_tail": log[-4000:] if rc else ""}
 

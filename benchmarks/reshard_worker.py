@@ -32,6 +32,7 @@ import os
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
 from typing import Any
 
 if __package__ in (None, ""):
@@ -81,6 +82,7 @@ def _save_once(name: str, ckpt: str, state: dict[str, Any], writers: dict[str, A
     t0 = time.perf_counter()
     fut = dcp.async_save(state, **kw)
     t1 = time.perf_counter()
+    assert isinstance(fut, Future), type(fut)  # no async_stager given: a plain future
     fut.result()
     t2 = time.perf_counter()
     return {"call_s": t1 - t0, "committed_s": t2 - t0, "vmhwm_bytes": peak.peak(),
