@@ -143,7 +143,10 @@ class JobBinding:
         if not ctx.use_collectives and default_world_size() > 1:
             raise ValueError(
                 "DataStatesWriter does not support use_collectives=False with several ranks "
-                "(one .metadata per rank); save with the default use_collectives=True"
+                "(one .metadata per rank: no resharding, no deduplication, no global commit); "
+                "save with the default use_collectives=True: with dcp_datastates.planner(), "
+                "a repeated save sends no plans nor results and commits after one round "
+                "through the store (docs/scale.md)"
             )
         if not ctx.path:
             raise ValueError("DataStatesWriter has no path: pass one or a checkpoint_id")
