@@ -11,7 +11,11 @@ the placement of a save's items in ``write_data`` and what ``finish`` does:
   coordinator through the process group's store (:mod:`dcp_datastates.save.rank_commit`);
 * ``finish`` (the coordinator; :meth:`WriteCompletion._commit`) waits for its own data and for
   every rank that handed its results over early, then writes ``.metadata`` atomically (the
-  commit), records the commit time, and queues the copy to the persistent tier.
+  commit), records the commit time, and queues the copy to the persistent tier;
+* results unchanged since a committed save travel by reference, and a repeated save writes the
+  last commit's ``.metadata`` bytes again (:mod:`dcp_datastates.save.result_cache`); after a
+  multi-rank ``async_save``, DCP broadcasts its result as a reference
+  (:mod:`dcp_datastates.save.lazy_metadata`).
 
 Threads: the save thread, and the completion thread of a non-coordinator, whose lifetime is the
 job's: the job's release joins it (aborting the job first if the save failed elsewhere), so the
@@ -181,22 +185,7 @@ class WriteCompletion:
         """``finish``: waits for this rank's data and for the ranks that handed their results
         over early, then writes ``.metadata`` (the commit); the save's context is over after."""
         try:
-            metadata.version = CURRENT_DCP_VERSION
-            resolved = result_cache.COORDINATOR.resolve(results, ctx.path)
-            reuse = result_cache.COORDINATOR.reusable(metadata, resolved)
-            metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
-            if reuse is not None:  # the last commit's results and plan: its .metadata
-                metadata.storage_data = reuse.storage_data
-                kept = reuse.blob
-                blob = result_cache.restamped(kept, metadata.storage_meta)
-            else:
-                storage_md: dict[Any, Any] = {}
-                for entries in resolved.storage:
-                    storage_md.update(entries)
-                metadata.storage_data = storage_md
-                share_metadata_values(metadata)  # pickled into .metadata and by the broadcast
-                with gc_paused():  # an object per item (see dcp_datastates.runtime.gcpause)
-                    blob = kept = pickle.dumps(metadata)  # the data may still be flushing
+            resolved, blob, kept = self._metadata_bytes(ctx, metadata, results)
             job = ctx.job
             pending = job.pending_write if job is not None else None
             if pending is not None:
@@ -232,6 +221,30 @@ class WriteCompletion:
             ctx.end_gc_pause_after_save(len(metadata.storage_data or ()))
             ctx.finished = True
             release_claim(ctx)
+
+    @staticmethod
+    def _metadata_bytes(
+        ctx: SaveContext, metadata: Metadata, results: list[list[WriteResult]]
+    ) -> tuple[result_cache.Resolved, bytes, bytes]:
+        """Completes ``metadata`` with every rank's storage entries (results sent by reference
+        resolved) and returns them, the ``.metadata`` bytes and the bytes to keep for a later
+        save of the same results: the last commit's, restamped, when they are the same
+        (result_cache.py), else a fresh pickle (while the data may still be flushing)."""
+        metadata.version = CURRENT_DCP_VERSION
+        resolved = result_cache.COORDINATOR.resolve(results, ctx.path)
+        reuse = result_cache.COORDINATOR.reusable(metadata, resolved)
+        metadata.storage_meta = StorageMeta(checkpoint_id=ctx.path, save_id=ctx.save_id)
+        if reuse is not None:
+            metadata.storage_data = reuse.storage_data
+            return resolved, result_cache.restamped(reuse.blob, metadata.storage_meta), reuse.blob
+        storage_md: dict[Any, Any] = {}
+        for entries in resolved.storage:
+            storage_md.update(entries)
+        metadata.storage_data = storage_md
+        share_metadata_values(metadata)  # pickled into .metadata and by the broadcast
+        with gc_paused():  # an object per item (see dcp_datastates.runtime.gcpause)
+            blob = pickle.dumps(metadata)
+        return resolved, blob, blob
 
     def _submit_promotion(self, ctx: SaveContext, world_size: int) -> None:
         """Queues the copy of this rank's part to the persistent tier; never fails the save (the

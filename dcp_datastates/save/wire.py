@@ -185,6 +185,9 @@ class CompactWriteResults(list):  # type: ignore[type-arg]
     ``awaited``: the :class:`~dcp_datastates.save.rank_commit.Ticket` of a rank that sends its
     results before its data is durable; they then unpickle as a ``rank_commit.AwaitedResults``
     carrying it: the coordinator waits for that rank's report before it commits.
+    ``with_digest``: they unpickle with the digest of their wire form (``.digest``, a
+    :class:`ReceivedResults` unless awaited); ``by_reference``: only the digest is sent, they
+    unpickle empty, and the coordinator resolves them (result_cache.py).
     """
 
     awaited: Ticket | None = None
