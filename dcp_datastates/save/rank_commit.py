@@ -204,7 +204,8 @@ class Reporter:
             self._closed = True
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            # a beat stuck on a store that stopped answering must not hold up the save's end
+            self._thread.join(timeout=5.0)
         try:
             self.kv.delete_key(_beat_key(self.ticket.save_id))
         except Exception:  # noqa: BLE001, S110 - nothing to clean is fine
