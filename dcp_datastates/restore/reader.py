@@ -12,6 +12,13 @@ Use it where a restart pays for loading::
 
     dcp.load(state, storage_reader=DataStatesReader("ckpt/step-1000"))
 
+From a memory file system (tmpfs such as ``/dev/shm``, ramfs: :func:`memory_backed`) a read is
+a copy out of memory: ``O_DIRECT`` is not attempted (whatever ``o_direct`` says), reads are cut
+at 1 MiB and each piece's CRC-32C is computed while it is still in the CPU's cache, at most one
+thread per core copies, and batches of reads straight into their targets are larger
+(``MEMORY_BATCH_BYTES``). ``last_read`` says which (``memory_fs``) and how many bytes were
+verified.
+
 What takes the stock path (``FileSystemReader.read_data``, no checksum): checkpoints without
 our manifests (any other DCP checkpoint), items a manifest does not describe exactly as
 ``.metadata`` does, and non-local paths. The stock ``dcp.load`` keeps reading our checkpoints.
