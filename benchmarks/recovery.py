@@ -111,7 +111,9 @@ def child_resume(a: argparse.Namespace) -> None:
     t["built"] = time.time()
     path = resume_path(a.fast if a.mode == "ours_fast" else None, a.slow)
     if path is None:
-        raise SystemExit("nothing to resume from")
+        listing = {r: sorted(os.listdir(r)) if os.path.isdir(r) else None
+                   for r in (a.fast, a.slow)}
+        raise SystemExit(f"nothing to resume from: {listing}")
     reader = None if a.mode == "stock_disk" else DataStatesReader(path)
     dcp.load(state, storage_reader=reader, checkpoint_id=path, no_dist=True)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -172,6 +174,8 @@ def _run_training(a: argparse.Namespace, rng: random.Random, timeout_s: float) -
     from dcp_datastates.lifecycle.persist_client import persisted_by_agent
 
     progress = os.path.join(a.work, "progress.txt")
+    if os.path.exists(progress):  # the previous trial's
+        os.unlink(progress)
     proc = subprocess.Popen(_child_cmd(a, "train", progress=progress), env=_env(),
                             start_new_session=True, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout_s
@@ -191,10 +195,32 @@ def _run_training(a: argparse.Namespace, rng: random.Random, timeout_s: float) -
     assert proc.stderr is not None
     proc.stderr.close()
     killed_after = _commits(progress)
+    t_kill = time.monotonic()
     ok = persisted_by_agent(a.fast, timeout_s=timeout_s)
+    # The agent may have been starting (importing torch) when the trainer died and then found
+    # nothing to do; finish by hand as docs/configuration.md says (persist-agent --once).
+    once = _newest(a.slow) < _newest(a.fast)
+    if once:
+        subprocess.run([sys.executable, "-m", "dcp_datastates", "persist-agent", a.fast,
+                        "--once"], env=_env(), check=False, capture_output=True)
+    deadline = t_kill + timeout_s
+    while _newest(a.slow) < _newest(a.fast):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the persistent tier never got step {_newest(a.fast)}")
+        time.sleep(0.2)
     return {"kill_delay_s": delay, "interval_s": interval,
             "committed_steps_before_kill": [s for s, _ in killed_after],
-            "agent_done": ok}
+            "agent_done": ok, "persist_agent_once": once,
+            "persisted_s_after_kill": time.monotonic() - t_kill}
+
+
+def _newest(root: str) -> int:
+    from dcp_datastates.lifecycle.checkpoints import list_checkpoints
+
+    if not os.path.isdir(root):
+        return -1
+    return max((i.step for i in list_checkpoints(root) if i.complete and i.step is not None),
+               default=-1)
 
 
 def _restart(a: argparse.Namespace, mode: str, allow_drop: bool) -> dict[str, Any]:
