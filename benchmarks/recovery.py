@@ -48,12 +48,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- the training job (child) ----------------------------------------------------------------
-def _build(width: int, depth: int, batch: int) -> tuple[Any, Any, Any]:
+def _build(width: int, depth: int, batch: int, lean: bool = False) -> tuple[Any, Any, Any]:
+    """The model, AdamW and the batch. ``lean``: the weights are left uninitialised (built on
+    the meta device, then given CPU memory), as a restart that loads them anyway can do."""
     import torch
 
     from benchmarks.mlp_loop import MLPConfig, make_mlp
 
-    model, opt = make_mlp(MLPConfig(width=width, depth=depth, batch=batch), seed=0)
+    cfg = MLPConfig(width=width, depth=depth, batch=batch)
+    if lean:
+        with torch.device("meta"):
+            model, _ = make_mlp(cfg, seed=0)
+        model.to_empty(device="cpu")
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        except (RuntimeError, TypeError):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        model, opt = make_mlp(cfg, seed=0)
     gen = torch.Generator().manual_seed(1)
     batch_xy = (torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
     return model, opt, batch_xy
@@ -106,7 +118,7 @@ def child_resume(a: argparse.Namespace) -> None:
     from dcp_datastates import DataStatesReader, resume_path
 
     t["imported"] = time.time()
-    model, opt, (x, y) = _build(a.width, a.depth, a.batch)
+    model, opt, (x, y) = _build(a.width, a.depth, a.batch, lean=a.lean_build)
     state = _state(model, opt, 0)  # get_state_dict allocates AdamW's state (a zero step)
     t["built"] = time.time()
     path = resume_path(a.fast if a.mode == "ours_fast" else None, a.slow)
@@ -132,6 +144,8 @@ def _child_cmd(a: argparse.Namespace, role: str, **extra: str) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.recovery", "--child", role, "--fast", a.fast,
            "--slow", a.slow, "--width", str(a.width), "--depth", str(a.depth),
            "--batch", str(a.batch), "--every", str(a.every), "--cache", a.cache]
+    if a.lean_build:
+        cmd.append("--lean-build")
     for k, v in extra.items():
         cmd += [f"--{k}", v]
     return cmd
@@ -336,6 +350,7 @@ def parent(a: argparse.Namespace, argv: list[str]) -> int:
                   "params": cfg.param_count()},
         "state_bytes": cfg.state_bytes(),
         "checkpoint_every_steps": a.every,
+        "lean_build": a.lean_build,
         "fast_tier": a.shm,
         "persistent_tier": a.dir,
         "trials": trials,
@@ -365,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the persistent tier goes (a disk)")
     ap.add_argument("--no-drop-caches", action="store_true",
                     help="evict the persistent tier's files instead of dropping all caches")
+    ap.add_argument("--lean-build", action="store_true",
+                    help="restarts build the model without initialising its weights (meta)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one trial (CI)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
