@@ -12,6 +12,13 @@ Use it where a restart pays for loading::
 
     dcp.load(state, storage_reader=DataStatesReader("ckpt/step-1000"))
 
+From a memory file system (tmpfs such as ``/dev/shm``, ramfs: :func:`memory_backed`) a read is
+a copy out of memory: ``O_DIRECT`` is not attempted (whatever ``o_direct`` says), reads are cut
+at 1 MiB and each piece's CRC-32C is computed while it is still in the CPU's cache, at most one
+thread per core copies, and batches of reads straight into their targets are larger
+(``MEMORY_BATCH_BYTES``). ``last_read`` says which (``memory_fs``) and how many bytes were
+verified.
+
 What takes the stock path (``FileSystemReader.read_data``, no checksum): checkpoints without
 our manifests (any other DCP checkpoint), items a manifest does not describe exactly as
 ``.metadata`` does, and non-local paths. The stock ``dcp.load`` keeps reading our checkpoints.
@@ -94,6 +101,15 @@ READ_PAUSE_MAX_S = 10.0
 FIRST_BATCH_BYTES = 16 << 20
 BATCH_BYTES = 64 << 20
 BATCH_CHUNKS = 1024
+# From a memory file system (tmpfs, ramfs: memory_backed) a read is a memory copy: batches of
+# reads straight into their targets are larger (fewer native thread starts and joins), reads
+# are cut at MEMORY_BLOCK_BYTES (each piece's checksum runs while it is still in the CPU's
+# cache), and the threads are the cores (more only contend for them).
+MEMORY_BATCH_BYTES = 512 << 20
+MEMORY_BLOCK_BYTES = 1 << 20
+# File systems whose files live in memory: O_DIRECT means nothing there (tmpfs refuses it on
+# older kernels and, since Linux 6.6, accepts it and copies through the page cache more slowly).
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs"})
 
 _Key = tuple[str, tuple[int, ...] | None]
 
@@ -146,7 +162,11 @@ class DataStatesReader(FileSystemReader):
         self._metadata: Metadata | None = None
         self._owner_checks = OwnerChecks()
         self._gc_pause: ProtocolPause | None = None
-        #: What the last ``read_data`` did: items read natively / by the stock path, bytes.
+        self._memory_fs: bool | None = None  # memory_backed(path), once asked
+        self._native_stats: dict[str, int] = {}
+        #: What the last ``read_data`` did: items read natively / by the stock path, bytes read
+        #: natively, of which through ``O_DIRECT`` and checksum-verified, and whether the
+        #: checkpoint was on a memory file system (1) or not (0).
         self.last_read: dict[str, int] = {}
 
     # -- StorageReader protocol ---------------------------------------------------------------
@@ -157,6 +177,7 @@ class DataStatesReader(FileSystemReader):
         self._checksummed = set()
         self._metadata = None
         self._owner_checks = OwnerChecks()
+        self._memory_fs = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # The load's per-item work (unpickling .metadata, DCP's planning, our manifests) makes
@@ -224,11 +245,14 @@ class DataStatesReader(FileSystemReader):
             super().read_data(LoadPlan(rest, plan.storage_data), marking).wait()
         for req, rec in byte_items:
             self._read_bytes(req, rec, planner)
+        self._native_stats = {"direct_bytes": 0, "verified_bytes": 0}
         nbytes = self._read_tensors(list(native.values()), planner)
         self.last_read = {
             "native_items": sum(len(c.reqs) for c in native.values()) + len(byte_items),
             "stock_items": len(rest),
             "native_bytes": nbytes,
+            **self._native_stats,
+            "memory_fs": int(self.memory_fs),
         }
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -378,7 +402,8 @@ class DataStatesReader(FileSystemReader):
     def _batches(self, chunks: list[_Chunk], planner: LoadPlanner) -> Iterator[list[_Chunk]]:
         """Resolves each chunk's destination and yields the chunks in batches, lazily: reads
         begin once the first batch (FIRST_BATCH_BYTES) is resolved, not once every target is.
-        A batch closes at BATCH_BYTES or BATCH_CHUNKS, or before its temporaries would exceed
+        A batch closes at BATCH_BYTES (MEMORY_BATCH_BYTES from a memory file system) or
+        BATCH_CHUNKS, or before its temporaries would exceed
         buffer_bytes (a chunk larger than that is a batch of its own)."""
         batch: list[_Chunk] = []
         temp_bytes = size = 0
@@ -392,7 +417,8 @@ class DataStatesReader(FileSystemReader):
                 or (not ch.direct and temp_bytes + n > self.buffer_bytes)
             ):
                 yield batch
-                batch, temp_bytes, size, limit = [], 0, 0, BATCH_BYTES
+                batch, temp_bytes, size = [], 0, 0
+                limit = MEMORY_BATCH_BYTES if self.memory_fs else BATCH_BYTES
             batch.append(ch)
             size += n
             if not ch.direct:
@@ -504,15 +530,38 @@ class DataStatesReader(FileSystemReader):
         nbytes = 0
         if files:
             try:
+                threads, o_direct, block = self._read_options()
                 st = _core.read_spans(paths, files, offsets, lengths, dsts, crcs, names, name_of,
-                                      self.threads, self.o_direct, self.block_bytes)
+                                      threads, o_direct, block)
             except _core.EngineError as e:
                 msg = str(e)
                 if "checksum mismatch" in msg or "truncated" in msg:
                     raise IntegrityError(f"{root}: {msg}") from None
                 raise OSError(f"{root}: {msg}") from None
             nbytes = int(st["bytes"])
+            for k in self._native_stats:  # one batch at a time: no lock needed
+                self._native_stats[k] += int(st[k])
         return nbytes
+
+    @property
+    def memory_fs(self) -> bool:
+        """Whether the checkpoint lies on a memory file system (:func:`memory_backed`)."""
+        if self._memory_fs is None:
+            self._memory_fs = self._local_dir() and memory_backed(os.fspath(self.path))
+        return self._memory_fs
+
+    def _read_options(self) -> tuple[int, bool, int]:
+        """The native reader's threads, O_DIRECT and largest read for this checkpoint.
+
+        From a memory file system a read is a copy out of the page cache: no ``O_DIRECT``
+        (meaningless there, and slower where the kernel accepts it), reads of at most
+        MEMORY_BLOCK_BYTES (verified while in cache) and one thread per core at most.
+        """
+        if not self.memory_fs:
+            return self.threads, self.o_direct, self.block_bytes
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        threads = min(self.threads, max(2, cores or os.cpu_count() or 2))
+        return threads, False, min(self.block_bytes, MEMORY_BLOCK_BYTES)
 
     def _deliver_batch(
         self, batch: list[_Chunk], planner: LoadPlanner, devices: set[torch.device]
@@ -549,6 +598,28 @@ class DataStatesReader(FileSystemReader):
         ch.target = None
 
 
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` lies on a file system held in memory (tmpfs such as ``/dev/shm``,
+    ramfs): the mount with the longest mount point above its real path, from
+    ``/proc/self/mounts``. False where that cannot be read (not Linux)."""
+    real = os.path.realpath(path)
+    best, fstype = -1, ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mnt = fields[1].replace("\\040", " ")
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= best:
+            best, fstype = len(mnt), fields[2]
+    return fstype in MEMORY_FS_TYPES
+
+
 def mark_modified(t: torch.Tensor) -> None:
     """Counts a write into ``t`` as an in-place modification: bumps its version counter (shared
     with every alias and ``detach()`` of it), which incremental saves and lazy capture compare.
@@ -582,4 +653,4 @@ def _key_offset(rec: ItemRecord) -> tuple[int, ...] | None:
     return tuple(rec.offset) if rec.offset is not None else None
 
 
-__all__ = ["DataStatesReader", "mark_modified"]
+__all__ = ["DataStatesReader", "mark_modified", "memory_backed"]
