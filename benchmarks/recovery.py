@@ -152,8 +152,14 @@ def _child_cmd(a: argparse.Namespace, role: str, **extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
+    # the dcp_datastates this process imported (an installed one, with its compiled engine)
+    # before the repository, which provides benchmarks.*
+    import dcp_datastates
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(dcp_datastates.__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (pkg_parent, ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
 

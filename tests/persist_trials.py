@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+if str(HERE.parent) not in sys.path:  # as a script; last: an installed package wins
+    sys.path.append(str(HERE.parent))
 
 from dcp_datastates.lifecycle.checkpoints import (  # noqa: E402
     INCOMPLETE_MARKER,
@@ -64,9 +65,14 @@ class Trial:
 
 
 def _env() -> dict[str, str]:
+    """The trainers' environment: the dcp_datastates this process imported (an installed one,
+    with its compiled engine, in CI) first, then the repository (for tests/)."""
+    import dcp_datastates
+
+    pkg_parent = str(Path(dcp_datastates.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        x for x in (str(HERE.parent), env.get("PYTHONPATH", "")) if x
+        x for x in (pkg_parent, str(HERE.parent), env.get("PYTHONPATH", "")) if x
     )
     return env
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,15 @@ def _strict_json(path: Path) -> Any:
 
 
 def _run(args: list[str], timeout: float) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_DIR=os.environ.get("BENCH_DIR", "/tmp"))
-    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, timeout=timeout,
+    import dcp_datastates
+
+    # the dcp_datastates imported here (an installed one, with its compiled engine, in CI) before
+    # the repository (benchmarks.*); run from elsewhere so the source tree does not shadow it
+    pkg_parent = Path(dcp_datastates.__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg_parent), str(ROOT)]),
+               BENCH_DIR=os.environ.get("BENCH_DIR", "/tmp"))
+    r = subprocess.run([sys.executable, "-m", *args], cwd=tempfile.gettempdir(), env=env,
+                       timeout=timeout,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
 

@@ -27,7 +27,11 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.scale_layouts import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # last: an installed dcp_datastates wins over the source tree
+
+from benchmarks.scale_layouts import (  # noqa: E402
     MODELS,
     PlanBuilder,
     device_mesh,
@@ -35,8 +39,6 @@ from benchmarks.scale_layouts import (
     in_fresh_thread,
     make_layout,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Attention(nn.Module):
@@ -233,8 +235,10 @@ def _strict_json(path: Path) -> Any:
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("scalesim") / "out"
-    cmd = [sys.executable, "-m", "benchmarks.scale_sim", "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    # by path, from outside the repository: the script appends the repository to sys.path, so
+    # an installed dcp_datastates (with its compiled engine, in CI) is the one imported
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scale_sim.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=900,
                           check=False)
     assert proc.returncode == 0, (
         f"scale_sim failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
