@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _core
+from .commit import fsync_dir
 
 INDEX_DIR = ".datastates"
 INDEX_SUFFIX = ".crc.jsonl"
@@ -89,14 +90,6 @@ class ObjectRecord:
         return [c for c in self.chunks if c[0] < hi and c[0] + c[1] > lo]
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class GroupSync:
     """Coalesces durability requests: :meth:`ticket` after a change, :meth:`wait` until a sync
     started after that ticket has completed. Concurrent waiters share one sync (group commit).
@@ -143,7 +136,7 @@ class DirSync:
         for directory, ticket in tickets:
             with self._lock:
                 group = self._groups[directory]
-            group.wait(ticket, lambda d=directory: _fsync_dir(d))  # type: ignore[misc]
+            group.wait(ticket, lambda d=directory: fsync_dir(d))  # type: ignore[misc]
 
 
 class CrcLog:
