@@ -50,6 +50,7 @@ from .errors import (
 )
 from .format.verify import VerifyReport, verify_checkpoint
 from .lifecycle import checkpoints  # dcp_datastates.checkpoints.prune(...) and friends
+from .lifecycle.replica_restore import recover_from_replicas
 from .lifecycle.tiers import PersistError, resume_path
 from .restore.load import load
 from .restore.reader import DataStatesReader
@@ -79,6 +80,7 @@ __all__ = [
     "load",
     "parse_size",
     "planner",
+    "recover_from_replicas",
     "resume_path",
     "verify_checkpoint",
 ]

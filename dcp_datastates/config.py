@@ -101,6 +101,9 @@ class WriterConfig:
             to be durable (dcp_datastates.save.rank_commit).
         rank_liveness_s: several ranks: how long a rank's heartbeat may stand still before the
             coordinator names it dead.
+        replicas: peer nodes that get a copy of each node's part of a committed ``async_save``
+            (dcp_datastates.lifecycle.replicas); 0: none.
+        replica_timeout_s: how long a replication round waits for a peer.
     """
 
     cache_bytes: int
@@ -124,6 +127,8 @@ class WriterConfig:
     upload_concurrency: int = 4
     rank_timeout_s: float = 1800.0
     rank_liveness_s: float = 60.0
+    replicas: int = 0
+    replica_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.cache_bytes <= 0:
@@ -150,7 +155,11 @@ class WriterConfig:
             raise ValueError(
                 f"upload_part_size must be between 5 MiB and 5 GiB, got {self.part_bytes} bytes"
             )
-        for name in ("rank_timeout_s", "rank_liveness_s"):
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or (
+            self.replicas < 0
+        ):
+            raise ValueError(f"replicas must be a non-negative integer, got {self.replicas!r}")
+        for name in ("rank_timeout_s", "rank_liveness_s", "replica_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e9:
                 raise ValueError(f"{name.removesuffix('_s')} must be a positive number of "

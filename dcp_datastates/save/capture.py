@@ -139,6 +139,9 @@ class SaveJob:
     # The digest of the write results it handed over (result_cache.py): a save that ends
     # without error on this rank confirms them, so the next save may send them by reference.
     results_digest: bytes | None = None
+    # Replicas on (lifecycle/replicas.py): this rank's part of the save, set once its files are
+    # durable (the coordinator's: once committed); queued when the save's future succeeds.
+    replica: Any = None
     gc_pause: ProtocolPause | None = None  # from stage() until its save thread takes it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -41,6 +41,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import CheckpointSaveError
+from ..lifecycle import replicas
 from ..lifecycle.tiers import attach_persist_stats
 from . import barrier
 from .jobs import async_save_uses_process_executor
@@ -215,6 +216,26 @@ class WriterControls:
         if self._promoter is None:
             return True
         return self._promoter.wait(timeout)
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """With ``replicas``: blocks until every replication round queued so far in this process
+        ended (copied, or failed: see :meth:`replica_stats`). False on timeout. Without
+        ``replicas`` it returns True at once. Every rank queues the round of a save when that
+        save's future completes, so wait on the future first."""
+        self._check_owner()
+        rep = replicas.current()
+        if rep is None or not self.config.replicas:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._table.wait_idle(timeout):  # released jobs have queued their rounds
+            return False
+        return rep.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """The replication rounds of this process, oldest first: ``path``, ``commit_id``,
+        ``sent``/``received`` bytes, ``seconds``, ``error`` (None when it succeeded)."""
+        rep = replicas.current()
+        return [] if rep is None else rep.records()
 
     def persist_stats(self) -> list[dict[str, Any]]:
         """With ``persist_to``: this rank's recent promotions, oldest first (``source``,

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..config import WriterConfig
 from ..errors import CheckpointSaveError, reraisable
+from ..lifecycle.replicas import ReplicaRequest
 from ..lifecycle.tiers import Promoter
 from ..runtime.gcpause import gc_paused
 from . import rank_commit, result_cache
@@ -134,6 +135,8 @@ class WriteCompletion:
         another rank's files; raises on any failure (the caller fails the job)."""
         pending.complete()
         self._table.finish_job(job, ctx.rank)
+        if self.config.replicas and not ctx.coordinator:
+            job.replica = ReplicaRequest(ctx.path, ctx.rank, None, self.config.replicas)
         if self._promoter is not None and not ctx.coordinator:
             # This rank's files are durable; the coordinator's promotion commits the copy.
             self._submit_promotion(ctx, 0)
@@ -210,6 +213,9 @@ class WriteCompletion:
             ctx.directory().commit(metadata, self.config.durable, blob=blob)
             self._table.mark_committed(ctx.path, time.perf_counter())
             result_cache.COORDINATOR.committed(metadata, resolved, kept)
+            if self.config.replicas and ctx.job is not None:
+                ctx.job.replica = ReplicaRequest(ctx.path, ctx.rank, ctx.save_id,
+                                                 self.config.replicas)
             if ctx.job is not None and not ctx.job.adhoc:
                 self._released.hold(metadata)  # async_save's result: see release.py
                 if len(results) > 1:  # DCP broadcasts it: as a reference (lazy_metadata.py)

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from ..engine import Engine, engine_time_to_perf
 from ..errors import CheckpointSaveError
+from ..lifecycle import replicas
 from . import result_cache
 from .capture import SaveJob, raise_if_modified
 from .stats import SaveStats
@@ -257,19 +258,23 @@ def track_future(
             fut.__class__ = SeenTrackingFuture
     except (AttributeError, TypeError):  # pragma: no cover - an exotic future
         pass
-    fut.add_done_callback(
-        lambda f: release_cb(writer_ref, job, pid, "its save ended", future_exception(f))
-    )
 
     def settled(f: concurrent.futures.Future[Any]) -> None:
         if os.getpid() != pid:
             return
         if future_exception(f) is None and job.error is None:
             result_cache.RANK.confirm(job.results_digest)  # committed: may go by reference
+            rep = replicas.current()
+            if job.replica is not None and rep is not None:
+                rep.submit(job.replica)  # lifecycle/replicas.py
         else:
             result_cache.RANK.clear()  # the next save sends its results in full
 
+    # before the release: a job released (wait_idle) has had its round queued
     fut.add_done_callback(settled)
+    fut.add_done_callback(
+        lambda f: release_cb(writer_ref, job, pid, "its save ended", future_exception(f))
+    )
 
 
 class JobTable:

@@ -34,6 +34,7 @@ from ..errors import CheckpointSaveError
 from ..format.layout import TemplateCache
 from ..lifecycle.checkpoints import RetentionPolicy
 from ..lifecycle.persist_client import AgentPromoter
+from ..lifecycle.replicas import replicator
 from ..lifecycle.tiers import Promoter
 from ..runtime.cpuload import CpuMeter
 from ..runtime.dcplog import skip_unheard_debug_events
@@ -101,6 +102,8 @@ def build_parts(
     persist_retention: RetentionPolicy | int | None,
     fast_retention: RetentionPolicy | int | None,
     persist_agent: bool,
+    replicas: int,
+    replica_timeout: float,
     _extensions: Sequence[StreamTransformExtension] | None,
 ) -> WriterParts:
     """Checks a DataStatesWriter's options and builds its parts (the options are documented on
@@ -131,12 +134,18 @@ def build_parts(
         upload_concurrency=upload_concurrency,
         rank_timeout_s=rank_timeout,
         rank_liveness_s=rank_liveness,
+        replicas=replicas,
+        replica_timeout_s=replica_timeout,
     )
+
     # before the engine: a bad value allocates nothing
     tracker, extensions, promoter = _save_features(
         path, config, incremental, _extensions, persist_to, persist_storage_options,
         persist_timeout, persist_retention, fast_retention, persist_agent,
     )
+    if config.replicas:
+        _check_replicas(path, config, incremental)
+        replicator(config.replica_timeout_s)  # its gloo group: created on every rank, in order
     engine = _open_engine(config, pin_memory)
     meter = CpuMeter() if config.adapt_to_load and config.idle_priority else None
     stager = Stager(engine, config.capture, spill_dirs(path), tracker, meter)
@@ -158,6 +167,17 @@ def build_parts(
         table=JobTable(engine),
         released=DeferredRelease(),
     )
+
+
+def _check_replicas(path: str, config: WriterConfig, incremental: IncrementalMode) -> None:
+    """Replicas copy a checkpoint's own files from a node-local directory: refused otherwise."""
+    if "://" in path or config.format != "torch" or parse_mode(incremental) != "off":
+        raise ValueError(
+            "replicas need a local path, format='torch' and incremental=False (a replica "
+            "copies each rank's own .distcp files, manifest and .metadata; an incremental "
+            f"checkpoint points at other checkpoints' files), got path={path!r}, "
+            f"format={config.format!r}, incremental={incremental!r}"
+        )
 
 
 def _save_features(

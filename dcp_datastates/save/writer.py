@@ -177,6 +177,16 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
             :mod:`dcp_datastates.lifecycle.persist_agent`; docs/configuration.md, "Recovery");
             ``persist_storage_options`` must then be JSON-serializable. False: in a thread of
             this process (where subprocesses are not allowed; the copies die with it).
+        replicas: node-local fast tiers on several nodes: after each committed ``async_save``,
+            each node's files of the checkpoint are copied to the fast tier (the same root) of
+            ``replicas`` other nodes, in a ring, in the background, over a gloo group of this
+            job's ranks (created here: with replicas, every rank creates its writers in the same
+            order, after ``init_process_group``). After a node is lost,
+            :func:`~dcp_datastates.recover_from_replicas` rebuilds the newest checkpoint on
+            every node of the restarted job. 0 (default): none
+            (:mod:`dcp_datastates.lifecycle.replicas`; docs/configuration.md, "Recovery").
+        replica_timeout: seconds a replication round waits for a peer; past it replication is
+            off for the rest of the process (logged).
         _extensions: stream transforms applied to every item, as ``FileSystemWriter``'s keyword
             of the same name (experimental in DCP): e.g. ``[ZStandard()]``; the stock reader
             undoes them. Transformed items are written by the save thread from the host cache
@@ -225,6 +235,8 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
         persist_retention: RetentionPolicy | int | None = None,
         fast_retention: RetentionPolicy | int | None = None,
         persist_agent: bool = True,
+        replicas: int = 0,
+        replica_timeout: float = 600.0,
         _extensions: Sequence[StreamTransformExtension] | None = None,
     ) -> None:
         parts = build_parts(
@@ -239,7 +251,8 @@ class DataStatesWriter(WriterControls, WriteCompletion, JobBinding, SaveContexts
             rank_liveness=rank_liveness, incremental=incremental,
             persist_to=persist_to, persist_storage_options=persist_storage_options,
             persist_timeout=persist_timeout, persist_retention=persist_retention,
-            fast_retention=fast_retention, persist_agent=persist_agent, _extensions=_extensions,
+            fast_retention=fast_retention, persist_agent=persist_agent, replicas=replicas,
+            replica_timeout=replica_timeout, _extensions=_extensions,
         )
         super().__init__(parts)  # WriterControls: the parts become this writer's attributes
 

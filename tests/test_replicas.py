@@ -1,0 +1,225 @@
+"""Peer replicas and the restore after a node is lost (dcp_datastates.lifecycle.replicas,
+replica_restore): ranks given distinct node-local roots are distinct nodes (two simulated nodes
+of two ranks each on this machine), a node's directory is deleted after the saves, and a restart
+with another number of ranks rebuilds the newest checkpoint from the surviving replicas, bit for
+bit, without any persistent tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+
+from dcp_datastates import resume_path
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def full_state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {
+        "w": torch.randn(64, 24, generator=g),  # Shard(0): every rank writes a part
+        "b": torch.randn(40, generator=g).to(torch.bfloat16),
+        "norm": torch.randn(24, generator=g),  # replicated: one rank writes it
+        "step": torch.tensor(step, dtype=torch.int64),
+    }
+
+
+def _layout(full: dict[str, torch.Tensor], mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {
+        "model": {
+            "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
+            "norm": distribute_tensor(full["norm"], mesh, [Replicate()]),
+        },
+        "step": full["step"].clone(),
+    }
+
+
+def _node_root(base: str, rank: int, per_node: int) -> str:
+    root = os.path.join(base, f"node{rank // per_node}")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _save(rank: int, world: int, base: str, steps: list[int], names: list[str]) -> list[Any]:
+    """Saves ``steps`` (as ``names``) with replicas=1 from 2 ranks per node; the round records."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates import DataStatesWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+    pg = dist.new_group(backend="gloo")
+    root = _node_root(base, rank, 2)
+    with DataStatesWriter(
+        os.path.join(root, names[0]), host_cache_size="4MiB", replicas=1, replica_timeout=60
+    ) as w:
+        for step, name in zip(steps, names, strict=True):
+            sd = _layout(full_state(step), mesh)
+            dcp.async_save(
+                sd, storage_writer=w, checkpoint_id=os.path.join(root, name), process_group=pg
+            ).result(120)
+        assert w.wait_replicated(120)
+        return w.replica_stats()
+
+
+def _restore(rank: int, world: int, base: str, expect_step: int | None) -> str | None:
+    """A restarted job of ``world`` ranks, one per node: rebuild, resume, load, compare."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates import recover_from_replicas, verify_checkpoint
+
+    root = _node_root(base, rank, 1)
+    path = recover_from_replicas(root, timeout_s=60)
+    if expect_step is None:
+        assert path is None
+        return None
+    assert path is not None and path == os.path.join(root, f"step-{expect_step}") or (
+        path is not None and path.startswith(root))
+    assert verify_checkpoint(path).fully_verified
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_state(expect_step)
+    target = _layout({k: torch.zeros_like(v) for k, v in full.items()}, mesh)
+    dcp.load(target, checkpoint_id=path, process_group=dist.new_group(backend="gloo"))
+    for k in ("w", "b", "norm"):
+        assert torch.equal(target["model"][k].full_tensor(), full[k]), k
+    assert int(target["step"]) == expect_step
+    return os.path.basename(path)
+
+
+def _replica_sets(root: Path) -> list[str]:
+    area = root / ".datastates-replicas"
+    return sorted(p.name for p in area.iterdir()) if area.exists() else []
+
+
+def test_node_loss_restores_newest_step_from_replica(tmp_path: Path) -> None:
+    base = str(tmp_path / "fast")
+    stats = run_ranks(
+        _save, base, [1, 2], ["step-1", "step-2"], tmp_path=tmp_path / "w4", world_size=4
+    )
+    for per_rank in stats:
+        assert len(per_rank) == 2, per_rank
+        assert [r["error"] for r in per_rank] == [None, None]
+        assert all(r["sent"] > 0 and r["received"] > 0 for r in per_rank)
+    # node0 holds node1's part (ring of two), and the other way round
+    for node in ("node0", "node1"):
+        sets = _replica_sets(tmp_path / "fast" / node)
+        assert [s.split(".")[0] for s in sets] == ["step-1", "step-2"], sets
+    assert not (tmp_path / "fast" / "node0" / "step-2" / "__2_0.distcp").exists()
+    shutil.rmtree(tmp_path / "fast" / "node1")  # the node is lost
+    got = run_ranks(_restore, base, 2, tmp_path=tmp_path / "w2")
+    assert got == ["step-2", "step-2"]
+    # the replacement node's directory is a complete checkpoint, loadable by the stock reader
+    md = tmp_path / "fast" / "node1" / "step-2" / ".metadata"
+    assert md.exists() and not (md.parent / ".datastates.incomplete").exists()
+    for node in ("node0", "node1"):  # resume_path now finds it on either node's fast tier
+        root = tmp_path / "fast" / node
+        assert resume_path(root, None) == str(root / "step-2")
+
+
+def test_incomplete_replica_is_never_used(tmp_path: Path) -> None:
+    base = str(tmp_path / "fast")
+    run_ranks(_save, base, [1, 2], ["step-1", "step-2"], tmp_path=tmp_path / "w4", world_size=4)
+    shutil.rmtree(tmp_path / "fast" / "node1")
+    area = tmp_path / "fast" / "node0" / ".datastates-replicas"
+    newest = next(p for p in area.iterdir() if p.name.startswith("step-2."))
+    (newest / ".done-3").unlink()  # rank 3's copy never completed: step-2 cannot be rebuilt
+    assert run_ranks(_restore, base, 1, tmp_path=tmp_path / "w2") == ["step-1", "step-1"]
+    # step-2 on node0 stays what it was: partial (no .metadata was ever put there)
+    assert not (tmp_path / "fast" / "node1" / "step-2" / ".metadata").exists()
+
+
+def test_resaved_name_restores_the_last_commit(tmp_path: Path) -> None:
+    """The same name saved twice: the replicas of the first commit are dropped, the restore
+    gives the second save's bytes, never a mix of the two."""
+    base = str(tmp_path / "fast")
+    run_ranks(_save, base, [1, 5], ["ckpt-a", "ckpt-a"], tmp_path=tmp_path / "w4", world_size=4)
+    sets = _replica_sets(tmp_path / "fast" / "node0")
+    assert len(sets) == 1 and sets[0].startswith("ckpt-a."), sets
+    doc = json.loads(
+        (tmp_path / "fast" / "node0" / ".datastates-replicas" / sets[0] / "round.json").read_text()
+    )
+    assert doc["commit_id"] == sets[0].split(".", 1)[1]
+    shutil.rmtree(tmp_path / "fast" / "node1")
+    assert run_ranks(_restore, base, 5, tmp_path=tmp_path / "w2") == ["ckpt-a", "ckpt-a"]
+
+
+def _nothing(rank: int, world: int, base: str) -> str | None:
+    return _restore(rank, world, base, None)
+
+
+def test_no_replicas_gives_none(tmp_path: Path) -> None:
+    assert run_ranks(_nothing, str(tmp_path / "fast"), tmp_path=tmp_path / "w") == [None, None]
+
+
+def test_replicas_option_is_checked(tmp_path: Path) -> None:
+    from dcp_datastates import DataStatesWriter
+
+    with pytest.raises(ValueError, match="replicas need"):
+        DataStatesWriter(str(tmp_path / "c"), host_cache_size="4MiB", replicas=1, incremental=True)
+    with pytest.raises(ValueError, match="non-negative"):
+        DataStatesWriter(str(tmp_path / "c"), host_cache_size="4MiB", replicas=-1)
+    with pytest.raises(ValueError, match="init"):  # no process group in this process
+        DataStatesWriter(str(tmp_path / "c"), host_cache_size="4MiB", replicas=1)
+
+
+def _peer_silent(rank: int, world: int, base: str) -> Any:
+    """Rank 3 never replicates (its rounds are dropped): the others' round fails within the
+    replica timeout, their saves stay committed, nothing hangs, the next save still works."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates import DataStatesWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+    pg = dist.new_group(backend="gloo")
+    root = _node_root(base, rank, 2)
+    w = DataStatesWriter(os.path.join(root, "step-1"), host_cache_size="4MiB", replicas=1,
+                         replica_timeout=5)
+    if rank == 3:
+        from dcp_datastates.lifecycle import replicas
+
+        rep = replicas.current()
+        assert rep is not None
+        rep.submit = lambda request: None  # type: ignore[method-assign]
+    for step in (1, 2):
+        dcp.async_save(_layout(full_state(step), mesh), storage_writer=w, process_group=pg,
+                       checkpoint_id=os.path.join(root, f"step-{step}")).result(120)
+    if rank == 3:
+        while not all(os.path.exists(os.path.join(base, f"errors-{r}.json")) for r in range(3)):
+            time.sleep(0.1)
+        w.close()
+        return None
+    assert w.wait_replicated(60)
+    errors = [r["error"] for r in w.replica_stats()]
+    w.close()
+    with open(os.path.join(base, f"errors-{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    return errors
+
+
+def test_silent_peer_fails_the_round_not_the_save(tmp_path: Path) -> None:
+    got = run_ranks(_peer_silent, str(tmp_path / "fast"), tmp_path=tmp_path / "w4", world_size=4,
+                    timeout_s=120)
+    for rank in range(3):
+        errors = got[rank]
+        assert len(errors) == 2 and all(errors), (rank, errors)
+        assert "replication is off" in errors[1], errors  # the group is not used again
+    # both saves are committed; no replica is marked complete anywhere
+    for step in (1, 2):
+        assert (tmp_path / "fast" / "node0" / f"step-{step}" / ".metadata").exists()
+    for node in ("node0", "node1"):
+        for s in _replica_sets(tmp_path / "fast" / node):
+            assert not list((tmp_path / "fast" / node / ".datastates-replicas" / s).glob(
+                ".done-*")), s
