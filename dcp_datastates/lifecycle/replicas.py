@@ -39,7 +39,10 @@ Failure semantics: replication never fails a save (the local commit is done). A 
 (a disk error, a peer down) is logged and kept in :meth:`Replicator.records`; its markers are
 not written, so its partial replica is never used. A peer that does not answer within
 ``timeout_s`` leaves the group unusable: replication is then off for the rest of the process
-(logged). Fork: a forked child does not replicate.
+(logged); so does a round whose ranks describe different saves (a save that committed on some
+ranks only). Fork: a forked child does not replicate. Exit: the thread is a daemon and ``close()``
+does not wait for it: a round still running when the process exits is abandoned (its peers'
+round fails, nothing is marked complete); ``wait_replicated`` first to finish it.
 Threads: ``submit`` is called by save threads and DCP's future callbacks; ``wait`` by anyone.
 """
 
@@ -218,7 +221,11 @@ class Replicator:
             mine.error = f"rank {request.rank} cannot list {d}: {e}"
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
         self._collective(lambda: dist.all_gather_object(everyone, mine, group=self.group))
-        plan = _plan(everyone)
+        try:
+            plan = _plan(everyone)
+        except _OutOfStep as e:
+            self.broken = str(e)  # the ranks' queues no longer match: stop, never guess
+            raise
         if plan is None:
             return
         commit_id, edges = plan
@@ -277,12 +284,16 @@ def _failed_either(k: int, e: Edge, outcome: list[Any], everyone: list[Any]) -> 
     return not (k in outcome[ranks.index(e.src)] and k in outcome[ranks.index(e.dst)])
 
 
+class _OutOfStep(RuntimeError):
+    """The ranks' rounds do not describe the same save."""
+
+
 def _plan(everyone: list[Any]) -> tuple[str, list[Edge]] | None:
     """The round's commit id and edges (the ring), or None when there is nothing to do."""
     names = {m.name for m in everyone}
     coords = [m for m in everyone if m.commit_id is not None]
     if len(names) != 1 or len(coords) != 1:
-        raise RuntimeError(f"the ranks replicate different saves: {sorted(names)} "
+        raise _OutOfStep(f"the ranks replicate different saves: {sorted(names)} "
                            f"with {len(coords)} coordinators")
     bad = [m.error for m in everyone if m.error]
     if bad:
