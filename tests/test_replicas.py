@@ -102,15 +102,30 @@ def _replica_sets(root: Path) -> list[str]:
     return sorted(p.name for p in area.iterdir()) if area.exists() else []
 
 
-def test_node_loss_restores_newest_step_from_replica(tmp_path: Path) -> None:
-    base = str(tmp_path / "fast")
-    stats = run_ranks(
-        _save, base, [1, 2], ["step-1", "step-2"], tmp_path=tmp_path / "w4", world_size=4
-    )
+@pytest.fixture(scope="module")
+def saved_two_steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """Steps 1 and 2 saved by 4 ranks as 2 nodes, replicated (copied by each test that uses it:
+    one 4-rank launch for the module)."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    stats = run_ranks(_save, str(tmp / "fast"), [1, 2], ["step-1", "step-2"],
+                      tmp_path=tmp / "w4", world_size=4)
+    return tmp / "fast", stats
+
+
+def _copy_of(saved: Path, tmp_path: Path) -> str:
+    shutil.copytree(saved, tmp_path / "fast")
+    return str(tmp_path / "fast")
+
+
+def test_node_loss_restores_newest_step_from_replica(
+    tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
+) -> None:
+    saved, stats = saved_two_steps
     for per_rank in stats:
         assert len(per_rank) == 2, per_rank
         assert [r["error"] for r in per_rank] == [None, None]
         assert all(r["sent"] > 0 and r["received"] > 0 for r in per_rank)
+    base = _copy_of(saved, tmp_path)
     # node0 holds node1's part (ring of two), and the other way round
     for node in ("node0", "node1"):
         sets = _replica_sets(tmp_path / "fast" / node)
@@ -127,15 +142,16 @@ def test_node_loss_restores_newest_step_from_replica(tmp_path: Path) -> None:
         assert resume_path(root, None) == str(root / "step-2")
 
 
-def test_incomplete_replica_is_never_used(tmp_path: Path) -> None:
-    base = str(tmp_path / "fast")
-    run_ranks(_save, base, [1, 2], ["step-1", "step-2"], tmp_path=tmp_path / "w4", world_size=4)
+def test_incomplete_replica_is_never_used(
+    tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
+) -> None:
+    base = _copy_of(saved_two_steps[0], tmp_path)
     shutil.rmtree(tmp_path / "fast" / "node1")
     area = tmp_path / "fast" / "node0" / ".datastates-replicas"
     newest = next(p for p in area.iterdir() if p.name.startswith("step-2."))
     (newest / ".done-3").unlink()  # rank 3's copy never completed: step-2 cannot be rebuilt
     assert run_ranks(_restore, base, 1, tmp_path=tmp_path / "w2") == ["step-1", "step-1"]
-    # step-2 on node0 stays what it was: partial (no .metadata was ever put there)
+    # step-2 on the replacement node was never made to look complete
     assert not (tmp_path / "fast" / "node1" / "step-2" / ".metadata").exists()
 
 
@@ -223,3 +239,31 @@ def test_silent_peer_fails_the_round_not_the_save(tmp_path: Path) -> None:
         for s in _replica_sets(tmp_path / "fast" / node):
             assert not list((tmp_path / "fast" / node / ".datastates-replicas" / s).glob(
                 ".done-*")), s
+
+
+def _restore_verified(rank: int, world: int, base: str) -> str:
+    from dcp_datastates import recover_from_replicas
+    from dcp_datastates.errors import DataStatesError
+
+    try:
+        recover_from_replicas(_node_root(base, rank, 1), timeout_s=60, verify=True)
+    except DataStatesError as e:
+        return str(e)
+    return "no error"
+
+
+def test_damaged_replica_is_caught_by_verify(
+    tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
+) -> None:
+    base = _copy_of(saved_two_steps[0], tmp_path)
+    shutil.rmtree(tmp_path / "fast" / "node1")
+    area = tmp_path / "fast" / "node0" / ".datastates-replicas"
+    newest = next(p for p in area.iterdir() if p.name.startswith("step-2."))
+    victim = next(newest.glob("__3_*.distcp"))
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte in rank 3's data, as held by node0
+    victim.write_bytes(bytes(raw))
+    errors = run_ranks(_restore_verified, base, tmp_path=tmp_path / "w2")
+    assert all("fails verification" in e and "step-2" in e for e in errors), errors
+    for node in ("node0", "node1"):  # neither node's step-2 looks complete
+        assert not (tmp_path / "fast" / node / "step-2" / ".metadata").exists()

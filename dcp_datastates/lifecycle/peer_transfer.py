@@ -5,13 +5,14 @@ restore (:mod:`dcp_datastates.lifecycle.replica_restore`). Every rank calls :fun
 the same list of :class:`Edge` s (each: one sender, one receiver, the files the sender sends);
 a rank takes part only in the edges that name it. An edge's files travel as one stream, cut in
 ``chunk_bytes`` pieces; at each step every rank posts the sends and receives of that piece for
-all its edges (``isend``/``irecv``, tagged by the edge's index), then waits for them. Nothing
-waits on a peer before its own operations are posted, so any set of edges (a ring, a star, a
-rank both sending and receiving) completes without deadlock.
+all its edges (``isend``/``irecv``, tagged by the edge's index), then waits for the previous
+step's and writes what it received (two buffers per edge: reading, sending, receiving and
+writing overlap). Nothing waits on a peer before its own operations of the step are posted, so
+any set of edges (a ring, a star, a rank both sending and receiving) completes without deadlock.
 
 Receivers write each file under a temporary name (``<name>.recv-<pid>``) in the edge's target
 directory, fsync it and rename it when its last byte landed; what a failed exchange left is
-removed. Memory: one piece per edge of this rank at a time.
+removed. Memory: two pieces per edge of this rank.
 
 Failure semantics: an error reading a sender's file or writing a receiver's does not stop the
 stream (the peer would wait for bytes forever): the sender sends zeros from there, the receiver
@@ -23,15 +24,17 @@ Threads: one exchange at a time per process group (tags are per edge, not per ex
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-CHUNK_BYTES = 16 * 1024 * 1024
+CHUNK_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -105,27 +108,27 @@ class _Stream:
                 out.append((i, lo - start, lo - offset, hi - lo))
         return out
 
-    def read(self, offset: int, n: int) -> torch.Tensor:
-        buf = bytearray(n)
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Sender: the stream's bytes at ``offset`` into ``buf`` (zeros after an error)."""
+        n = len(buf)
         if self.error is None:
             try:
-                view = memoryview(buf)
                 for i, foff, poff, length in self._pieces(offset, n):
-                    got = os.preadv(self._fd(i), [view[poff : poff + length]], foff)
+                    got = os.preadv(self._fd(i), [buf[poff : poff + length]], foff)
                     if got != length:
                         raise OSError(f"{self.edge.files[i].source} is shorter than planned")
+                return
             except OSError as e:
                 self.error = f"reading {self.edge.files[0].source}...: {e}"
-                buf = bytearray(n)  # zeros: the receiver drops this stream
-        return torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        buf[:] = bytes(n)  # the receiver drops this stream
 
-    def write(self, offset: int, data: bytearray) -> None:
+    def write(self, offset: int, data: memoryview) -> None:
+        """Receiver: ``data`` at ``offset`` of the stream (dropped after an error)."""
         if self.error is not None:
             return
         try:
-            raw = memoryview(data)
             for i, foff, poff, length in self._pieces(offset, len(data)):
-                os.pwrite(self._fd(i), raw[poff : poff + length], foff)
+                os.pwrite(self._fd(i), data[poff : poff + length], foff)
         except OSError as e:
             self.error = f"writing into {self.edge.target} on rank {self.edge.dst}: {e}"
 
@@ -173,9 +176,14 @@ def exchange(
     streams = {k: _Stream(e, writing=e.dst == rank) for k, e in mine}
     steps = max((-(-e.total // chunk_bytes) for _, e in mine), default=0)
     timeout = datetime.timedelta(seconds=timeout_s)
+    # two buffers per edge: step s fills one while step s-1's transfer may still use the other
+    bufs = {k: [_Buffer(min(chunk_bytes, e.total)) for _ in range(2)] for k, e in mine}
     try:
-        for step in range(steps):
-            _step(mine, streams, step, chunk_bytes, group, timeout)
+        pending: list[tuple[Any, int, int, int]] = []  # (work, edge, step, bytes)
+        for step in range(steps + 1):
+            posted = _post(mine, streams, bufs, step, chunk_bytes, group) if step < steps else []
+            _land(pending, streams, bufs, chunk_bytes, timeout)
+            pending = posted
     except BaseException:
         for s in streams.values():
             s.error = s.error or "the exchange stopped"
@@ -195,30 +203,48 @@ def exchange(
     return result
 
 
-def _step(
-    mine: list[tuple[int, Edge]], streams: dict[int, _Stream], step: int, chunk: int,
-    group: dist.ProcessGroup | None, timeout: datetime.timedelta,
-) -> None:
-    """Posts this step's piece of every edge of this rank, waits for all, writes what came."""
+class _Buffer:
+    """A reusable piece buffer: a uint8 tensor (what the process group sends or fills) and a
+    memoryview of the same memory (what the files are read into and written from)."""
+
+    def __init__(self, n: int) -> None:
+        self.tensor = torch.empty(max(n, 1), dtype=torch.uint8)
+        raw = (ctypes.c_char * self.tensor.numel()).from_address(self.tensor.data_ptr())
+        self.view = memoryview(raw).cast("B")
+
+
+def _post(
+    mine: list[tuple[int, Edge]], streams: dict[int, _Stream], bufs: dict[int, list[_Buffer]],
+    step: int, chunk: int, group: dist.ProcessGroup | None,
+) -> list[tuple[Any, int, int, int]]:
+    """Posts this step's piece of every edge of this rank (sends read first); returns them."""
     rank = dist.get_rank()
-    works, landed = [], []
+    out = []
     offset = step * chunk
     for k, e in mine:
         n = min(chunk, e.total - offset)
         if n <= 0:
             continue
+        b = bufs[k][step % 2]
         if e.src == rank:
-            works.append(dist.isend(streams[k].read(offset, n), dst=e.dst, group=group, tag=k))
+            streams[k].read_into(offset, b.view[:n])
+            w = dist.isend(b.tensor[:n], dst=e.dst, group=group, tag=k)
         else:
-            buf = bytearray(n)  # the tensor below shares its memory
-            works.append(dist.irecv(torch.frombuffer(buf, dtype=torch.uint8), src=e.src,
-                                    group=group, tag=k))
-            landed.append((k, buf))
-    for w in works:
+            w = dist.irecv(b.tensor[:n], src=e.src, group=group, tag=k)
+        out.append((w, k, step, n))
+    return out
+
+
+def _land(
+    pending: list[tuple[Any, int, int, int]], streams: dict[int, _Stream],
+    bufs: dict[int, list[_Buffer]], chunk: int, timeout: datetime.timedelta,
+) -> None:
+    """Waits for the pieces posted at the previous step; writes the ones received."""
+    for w, k, step, n in pending:
         if w is not None and not w.wait(timeout):
             raise RuntimeError("a peer did not answer in time")
-    for k, buf in landed:
-        streams[k].write(offset, buf)
+        if streams[k].writing:
+            streams[k].write(step * chunk, bufs[k][step % 2].view[:n])
 
 
 __all__ = ["CHUNK_BYTES", "Edge", "ExchangeResult", "FileSpan", "exchange"]

@@ -21,8 +21,10 @@ replicas it holds are hard-linked in, the rest come from a node holding them, ov
 group (:mod:`dcp_datastates.lifecycle.peer_transfer`; files spread over their holders). The
 directory is marked partial (``.datastates.incomplete``) first and any ``.metadata`` of another
 commit removed; ``.metadata`` is put in place last, after every file is fsynced; then ``latest``.
-With ``verify`` (default) each node verifies the checksums of the result
-(:func:`dcp_datastates.format.verify.verify_checkpoint`) before ``.metadata`` goes in place. The
+Checksums: load the result with :class:`~dcp_datastates.DataStatesReader`, which verifies every
+byte it reads in the same pass; with ``verify=True`` each node also verifies the whole result
+(:func:`dcp_datastates.format.verify.verify_checkpoint`, one more read of every byte) before
+``.metadata`` goes in place, for a load by the stock reader. The
 restarted job may have any number of ranks and nodes (the load reshards as usual).
 
 Failure semantics: every rank returns the same result: the path on this rank's node, or None
@@ -41,6 +43,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,64 +270,103 @@ def _commit(node: _Node, doc: dict[str, Any], verify: bool) -> None:
     update_latest(node.root, doc["name"])
 
 
+@dataclass
+class RecoveryStats:
+    """What the last :func:`recover_from_replicas` of this process did on this rank
+    (``last_recovery``): the checkpoint, bytes received and sent, files linked from this node's
+    own replicas, and seconds spent listing, exchanging and committing (verification included)."""
+
+    checkpoint: str | None = None
+    received: int = 0
+    sent: int = 0
+    linked: int = 0
+    list_s: float = 0.0
+    exchange_s: float = 0.0
+    commit_s: float = 0.0
+
+
+last_recovery = RecoveryStats()
+
+
+def _gather_nodes(root: str, rank: int, world: int, group: dist.ProcessGroup) -> list[_Node]:
+    """Every node's listing (by its lowest rank), the same list on every rank."""
+    keys: list[Any] = [None] * world
+    dist.all_gather_object(keys, (rank, node_key(root)), group=group)
+    leader: dict[Any, int] = {}
+    for r, key in sorted(keys):
+        leader.setdefault(key, r)
+    node = None
+    if leader[node_key(root)] == rank:
+        node = _Node(leader=rank, root=root, own=_list_own(root), replicas=_list_replicas(root))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, node, group=group)
+    return [n for n in gathered if n is not None]
+
+
+def _agree(error: str | None, world: int, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's error of this stage (None: fine), on every rank."""
+    status: list[Any] = [None] * world
+    dist.all_gather_object(status, error, group=group)
+    return [s for s in status if s]
+
+
 def recover_from_replicas(
     root: str | os.PathLike[str],
     *,
     group: dist.ProcessGroup | None = None,
-    verify: bool = True,
+    verify: bool = False,
     timeout_s: float = 600.0,
 ) -> str | None:
     """Rebuilds the newest checkpoint that the peer replicas can give on every node's ``root``
     (this rank's node-local fast root); see the module docstring. Returns its path on this
-    rank's node, or None when the replicas cannot give one. Collective over ``group``."""
+    rank's node, or None when the replicas cannot give one. Collective over ``group``.
+    ``last_recovery`` holds what it did on this rank."""
+    global last_recovery
+    stats = last_recovery = RecoveryStats()
+    t0 = time.perf_counter()
     root = os.path.abspath(os.fspath(root))
     if group is None:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size(group)
-    keys: list[Any] = [None] * world
-    dist.all_gather_object(keys, (rank, node_key(root), root), group=group)
-    leaders: dict[Any, tuple[int, str]] = {}
-    for r, key, rt in sorted(keys):
-        leaders.setdefault(key, (r, rt))
-    me = leaders[node_key(root)][0]
-    node = None
-    if me == rank:
-        node = _Node(leader=rank, root=root, own=_list_own(root), replicas=_list_replicas(root))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, node, group=group)
-    nodes = [n for n in gathered if n is not None]
+    nodes = _gather_nodes(root, rank, world, group)
     chosen = _choose(nodes)
+    stats.list_s = time.perf_counter() - t0
     if chosen is None:
         return None
     doc, holders = chosen
+    stats.checkpoint = os.path.join(root, doc["name"])
     edges, local = _plan(nodes, doc, holders)
     error = None
     mine = next((j for j, n in enumerate(nodes) if n.leader == rank), None)
     if mine is not None:
         keep = {f for f, where in holders.items()
                 if (mine, _in_dir(root, doc["name"], f)) in where}
+        stats.linked = len(local.get(mine, []))
         try:
             _prepare(nodes[mine], doc, keep, local.get(mine, []))
         except OSError as e:
             error = f"preparing {root}/{doc['name']} on rank {rank}: {e}"
+    t1 = time.perf_counter()
     result = exchange(edges, group, timeout_s=timeout_s)
+    stats.exchange_s = time.perf_counter() - t1
+    stats.received = sum(edges[k].total for k in result.done if edges[k].dst == rank)
+    stats.sent = sum(edges[k].total for k in result.done if edges[k].src == rank)
     if result.errors:
         error = "; ".join(result.errors.values())
-    status: list[Any] = [None] * world
-    dist.all_gather_object(status, error, group=group)
-    if mine is not None and not any(status):
-        try:
-            _commit(nodes[mine], doc, verify)
-        except (OSError, DataStatesError) as e:
-            error = f"on rank {rank}: {e}"
-        dist.all_gather_object(status, error, group=group)
-    else:
-        dist.all_gather_object(status, error, group=group)
-    failed = [s for s in status if s]
+    failed = _agree(error, world, group)
+    if not failed:
+        t2 = time.perf_counter()
+        if mine is not None:
+            try:
+                _commit(nodes[mine], doc, verify)
+            except (OSError, DataStatesError) as e:
+                error = f"on rank {rank}: {e}"
+        stats.commit_s = time.perf_counter() - t2
+        failed = _agree(error, world, group)
     if failed:
         raise DataStatesError(f"rebuilding {doc['name']} from replicas failed: " +
                               "; ".join(failed))
-    return os.path.join(root, doc["name"])
+    return stats.checkpoint
 
 
-__all__ = ["recover_from_replicas"]
+__all__ = ["RecoveryStats", "last_recovery", "recover_from_replicas"]
