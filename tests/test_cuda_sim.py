@@ -469,21 +469,28 @@ def test_missing_runtime_is_a_clear_error(tmp_path: Path) -> None:
     eng.close()
 
 
+_FAILING_CALLS = [
+    ("cudaMemcpyAsync", 3),
+    ("cudaEventRecord", 3),
+    ("cudaEventSynchronize", 3),
+    ("cudaStreamWaitEvent", 1),  # once per run of copies of a job: only one here
+    ("cudaStreamCreateWithFlags", 1),
+    ("cudaEventCreateWithFlags", 1),
+    ("cudaSetDevice", 1),
+]
+
+
 @pytest.mark.parametrize(
-    ("entry_point", "nth"),
-    [
-        ("cudaMemcpyAsync", 3),
-        ("cudaEventRecord", 3),
-        ("cudaEventSynchronize", 3),
-        ("cudaStreamWaitEvent", 1),  # once per run of copies of a job: only one here
-        ("cudaStreamCreateWithFlags", 1),
-        ("cudaEventCreateWithFlags", 1),
-        ("cudaSetDevice", 1),
-    ],
+    ("version", "entry_point", "nth"),
+    [(12040, e, n) for e, n in _FAILING_CALLS]
+    # the same with batched copies: their copy call is cudaMemcpyBatchAsync
+    + [(12080, e, n) for e, n in _FAILING_CALLS if e != "cudaMemcpyAsync"]
+    + [(12080, "cudaMemcpyBatchAsync", 2)],
 )
 def test_failing_call_fails_the_job_and_the_engine_goes_on(
-    sim: Sim, tmp_path: Path, entry_point: str, nth: int
+    request: pytest.FixtureRequest, tmp_path: Path, version: int, entry_point: str, nth: int
 ) -> None:
+    sim = sim_of_version(request, version)
     name = "model.layers.3.weight"
     compute = sim.stream()
     ready = sim.event()
@@ -496,7 +503,8 @@ def test_failing_call_fails_the_job_and_the_engine_goes_on(
     sim.host_write(compute, dev, want, delay_s=0.01)
     sim.record(ready, compute)
     sim.copy_time(0.05)  # copies are still in flight when the failing call returns
-    sim.fail(entry_point, nth)
+    # (INVALID_VALUE would be a refusal of the batch call, which falls back instead of failing)
+    sim.fail(entry_point, nth, OUT_OF_MEMORY if "Batch" in entry_point else INVALID_VALUE)
     job, _ = save(eng, tmp_path / "bad.bin", [(name, dev, 0, ready)])
     with pytest.raises(_core.EngineError, match=rf"'{name}'.*{entry_point}"):
         eng.wait_captured(job, TIMEOUT_S)
