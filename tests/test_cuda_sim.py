@@ -366,7 +366,10 @@ def test_copies_of_a_job_are_waited_for_in_batches(
     assert_file(tmp_path / "b.bin", offs, wants)
     chunks = 100 + 16
     waits = sim.count("calls:cudaEventRecord") - records0
-    assert 2 <= waits <= chunks // 4, waits  # 400 KiB of small tensors never fit at once
+    # 400 KiB of small tensors never fit at once. With two threads on a loaded machine they
+    # may take alternate chunks (a batch ends where the other thread's cache ticket comes
+    # first): 53 waits for 116 chunks were seen with four test processes on two cores.
+    assert 2 <= waits <= chunks // (4 if copy_threads == 1 else 2), waits
     # one wait for the save call's event per batch at most, not one per chunk
     stream_waits = sim.count("calls:cudaStreamWaitEvent") - stream_waits0
     assert 1 <= stream_waits <= waits, (stream_waits, waits)
