@@ -67,10 +67,12 @@ class CudaRuntime {
   bool batch_available() const { return batch_abi_ != BatchAbi::kNone && !batch_off_.load(); }
   // Why batch_available() is false ("" when it is true).
   std::string batch_unavailable_reason() const;
-  // Queues the copies; true on success. A runtime that refuses the call itself as unsupported
-  // (an older driver under a newer runtime: cudaErrorNotSupported, cudaErrorCallRequiresNewerDriver)
-  // queues nothing: batching is then switched off for this runtime, the last error is cleared,
-  // and false is returned, so the caller issues the same copies one by one. Any other failure
+  // Queues the copies; true on success. A runtime that refuses the call as a whole
+  // (cudaErrorNotSupported or cudaErrorCallRequiresNewerDriver: a driver older than the
+  // runtime; cudaErrorInvalidValue: what a runtime reading the attribute struct differently
+  // would return) switches batching off for this runtime, the last error is cleared, and false
+  // is returned: the caller issues the same copies one by one (where a really invalid copy fails
+  // on its own, naming its tensor). Any other failure
   // throws EngineError; *fail_index is then the index of the copy the runtime named, or
   // kNoIndex (CUDA 13, or an error of the batch as a whole). Whether copies before that index
   // were queued is unknown: the caller must synchronize `s` before reusing any destination.
