@@ -863,3 +863,24 @@ def test_device_fault_during_a_batch_fails_the_job_and_host_jobs_go_on(
     eng.forget(job)
     close_within(eng)
     assert_released(sim)
+
+
+def test_batches_into_a_cache_that_could_not_be_pinned(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A pageable cache (pinning refused): batch calls still carry the copies (each returns once
+    its copies are done, as into pageable memory), bit for bit."""
+    sim = sim_of_version(request, CUDA12_BATCH)
+    sim.fail("cudaHostRegister", error=OUT_OF_MEMORY, times=-1)
+    eng = make_engine(sim, cache=4 << 20, copy_threads=1)
+    assert not eng.cache_pinned and eng.counters()["cuda_batch"]
+    _compute, gate, devs, wants, ready = small_tensors(sim, 50, 9)
+    job, offs = save(eng, tmp_path / "p.bin", [(f"t{i}", d, 0, ready) for i, d in enumerate(devs)])
+    sim.open_gate(gate)
+    assert eng.wait_done(job, TIMEOUT_S)
+    assert_file(tmp_path / "p.bin", offs, wants)
+    assert batch_calls(eng) == (1, 50, 0)
+    assert sim.count("pageable_copies") == sim.count("copies") == 50
+    eng.forget(job)
+    close_within(eng)
+    assert_released(sim)
