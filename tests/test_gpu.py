@@ -366,7 +366,7 @@ def test_many_small_owned_tensors_are_copied_in_batches_and_exact(
     assert_state_equal(expected, out)
     c = w.engine_counters()
     if batched and c["cuda_batch"]:
-        assert c["cuda_batch_copies"] > c["cuda_copy_calls"] and c["cuda_batch_calls"] < 100, c
+        assert c["cuda_batch_copies"] > c["cuda_copy_calls"] and c["cuda_batch_calls"] < 500, c
     elif batched:  # a runtime before 12.8: reported, not a failure
         print("copies not batched:", w.engine.cuda_batch_error, "CUDA", torch.version.cuda)
     else:
