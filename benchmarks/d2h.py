@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 if w is not None:
                     engine_counters[label] = {
                         k: v for k, v in w.engine_counters().items() if k.startswith("cuda")}
-                    engine_counters[label]["cuda_batch_error"] = w.engine.cuda_batch_error
+                    engine_counters[label]["cuda_batch_error"] = getattr(
+                        w.engine, "cuda_batch_error", "(an engine without batched copies)")
                     w.close()
             if stager is not None:
                 stager.close()
