@@ -16,6 +16,10 @@ For one state dict on ``--device`` (``cuda``, or ``cpu`` for a dry run), interle
   stepped, as a model's parameters and optimizer state are in training: copied lazily, straight
   from the tensors, no clones. ``call_s`` in the output is the ``async_save`` call alone (what
   training is blocked by when the copies finish under forward/backward).
+* ``datastates_owned_unbatched``: ``datastates_owned`` through a writer whose engine issues one
+  ``cudaMemcpyAsync`` per copy (``DCPDS_NO_CUDA_BATCH=1``), where the other batches them with
+  ``cudaMemcpyBatchAsync`` (CUDA 12.8+): the batch call's gain, in the same run. The output's
+  ``engine`` gives each writer's copy and batch call counts.
 
 The state is the harness's synthetic one (``benchmarks.workloads``, e.g. ``2GB:mixed``: 5,732
 tensors, per-tensor costs show; ``512MB:large``: 4 tensors, bandwidth shows). Prints (or writes
@@ -52,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state", default="2GB:mixed", help="synthetic state SIZE:MIX")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders",
-                    default="pinned_copy,default_stager,datastates,datastates_owned")
+                    default="pinned_copy,default_stager,datastates,datastates_owned,"
+                            "datastates_owned_unbatched")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in flat.items()}
     owned_state: dict[str, Any] = {}
     owner: Any = None
-    if "datastates_owned" in names:  # its own tensors: ownership is per tensor, process-wide
+    # its own tensors: ownership is per tensor, process-wide
+    if any(n.startswith("datastates_owned") for n in names):
         owned = {k: v.clone() for k, v in flat.items()}
         owned_state = {"model": owned}
         floats = [v for v in owned.values() if v.is_floating_point()]
@@ -85,8 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         owner.step()  # the step hook now knows the optimizer: its tensors may be lazy
     call_s: dict[str, list[float]] = {c: [] for c in names if c.startswith("datastates")}
     stager: Any = None
+    engine_counters: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
-        writer = DataStatesWriter(os.path.join(d, "w"), host_cache_size=f"{nbytes // MiB + 256}MiB")
+        cache = f"{nbytes // MiB + 256}MiB"
+        writer = DataStatesWriter(os.path.join(d, "w"), host_cache_size=cache)
+        unbatched: Any = None
+        if "datastates_owned_unbatched" in names:
+            os.environ["DCPDS_NO_CUDA_BATCH"] = "1"  # read when the writer's engine enables CUDA
+            try:
+                unbatched = DataStatesWriter(os.path.join(d, "u"), host_cache_size=cache)
+            finally:
+                del os.environ["DCPDS_NO_CUDA_BATCH"]
         try:
             for r in range(a.rounds):
                 for name in names[r % len(names):] + names[: r % len(names)]:
@@ -107,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                             if hasattr(out, "result"):
                                 out.result()
                             sync()
-                        elif name in ("datastates", "datastates_owned"):
+                        elif name.startswith("datastates"):
+                            w = unbatched if name.endswith("_unbatched") else writer
                             fut = dcp.async_save(
-                                owned_state if name == "datastates_owned" else state,
-                                storage_writer=writer,
-                                checkpoint_id=os.path.join(d, f"{name}-{r}"))
+                                owned_state if name.startswith("datastates_owned") else state,
+                                storage_writer=w, checkpoint_id=os.path.join(d, f"{name}-{r}"))
                             call_s[name].append(time.perf_counter() - t0)
-                            writer.wait_captured()
+                            w.wait_captured()
                         else:
                             raise ValueError(f"unknown contender {name!r}")
                         times[name].append(time.perf_counter() - t0)
@@ -122,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as e:  # noqa: BLE001 - a contender's failure is a result
                         errors[name] = f"{type(e).__name__}: {e}"[:500]
         finally:
-            writer.close()
+            for label, w in (("batched", writer), ("unbatched", unbatched)):
+                if w is not None:
+                    engine_counters[label] = {
+                        k: v for k, v in w.engine_counters().items() if k.startswith("cuda")}
+                    engine_counters[label]["cuda_batch_error"] = getattr(
+                        w.engine, "cuda_batch_error", "(an engine without batched copies)")
+                    w.close()
             if stager is not None:
                 stager.close()
     med = {k: statistics.median(v) for k, v in times.items() if v}
@@ -140,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "x_pinned_copy": {k: peak / v for k, v in med.items()} if peak else {},
         "call_s": {k: statistics.median(v) for k, v in call_s.items() if v},
         "errors": errors,
+        "engine": engine_counters,
     }
     emit_json(doc, a.out)
     return 0

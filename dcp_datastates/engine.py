@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -99,14 +100,24 @@ class Engine:
 
     def enable_cuda(self) -> None:
         """Loads the CUDA runtime torch loaded and pins the host cache (once). A cache that
-        cannot be pinned is used pageable (correct, slower D2H copies), with a warning."""
+        cannot be pinned is used pageable (correct, slower D2H copies), with a warning.
+
+        Device-to-host copies are issued in batches (``cudaMemcpyBatchAsync``) where the runtime
+        has it (CUDA 12.8+), unless ``DCPDS_NO_CUDA_BATCH=1``; :attr:`cuda_batch_error` says why
+        they are not."""
         if self._core.cuda_enabled:
             return
+        batch = os.environ.get("DCPDS_NO_CUDA_BATCH", "") in ("", "0")
         with translate_errors("cannot enable CUDA copies"):
-            self._core.enable_cuda(loaded_cuda_runtime())
+            self._core.enable_cuda(loaded_cuda_runtime(), batch_copies=batch)
         if not self._core.cache_pinned:
             logger.warning("the host cache could not be pinned, device-to-host copies will be "
                            "slower: %s", self._core.pin_error)
+
+    @property
+    def cuda_batch_error(self) -> str:
+        """Why device-to-host copies are not batched ("" when they are)."""
+        return str(self._core.cuda_batch_error)
 
     # -- pass-through, typed -----------------------------------------------------------------
     @property

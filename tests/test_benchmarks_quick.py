@@ -281,11 +281,36 @@ def test_d2h_runs_every_contender_on_cpu(tmp_path: Path) -> None:
     res = _strict_json(out)
     assert res["errors"] == {}
     assert set(res["times_s"]) == {"pinned_copy", "default_stager", "datastates",
-                                   "datastates_owned"}
+                                   "datastates_owned", "datastates_owned_unbatched"}
     assert all(len(v) == 2 and min(v) > 0 for v in res["times_s"].values())
-    assert set(res["call_s"]) == {"datastates", "datastates_owned"}
+    assert set(res["call_s"]) == {"datastates", "datastates_owned", "datastates_owned_unbatched"}
+    assert set(res["engine"]) == {"batched", "unbatched"}
     assert res["x_pinned_copy"]["pinned_copy"] == 1.0
     assert res["bytes"] >= 8 * 10**6 * 0.99
+
+
+def test_fsdp2_train_runs_every_contender_on_cpu(tmp_path: Path) -> None:
+    """benchmarks.fsdp2_train (the GPU FSDP2 loop of scripts/gpu_check.sh) on a tiny CPU model
+    over gloo: every contender ran, the figures are ratios to the run without checkpoints, the
+    plain call's last checkpoint reads back bit for bit."""
+    out = tmp_path / "fsdp2.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fsdp2_train.py"), "--device", "cpu",
+         "--layers", "3", "--width", "128", "--batch", "16", "--iters", "2", "--ckpt-every", "1",
+         "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "BENCH_DIR": str(tmp_path)},
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = _strict_json(out)
+    assert res["errors"] == {} and res["verify"] == {"ds_plain": "exact"}
+    summary = res["summary"]
+    assert set(summary) == {"none", "ds_plain", "dcp_async_stager", "dcp_fs_tN"}
+    assert summary["none"]["x_step"] == 1.0
+    for name in ("ds_plain", "dcp_async_stager", "dcp_fs_tN"):
+        row = summary[name]
+        assert row["x_step"] > 0 and row["blocked_x_step"] >= 0 and row["durable_x_best"] >= 1.0
+    assert res["state_bytes"] == 3 * 128 * 128 * 12 + 3 * 4  # weights, two moments, steps
 
 
 def _bench_module(name: str) -> Any:

@@ -232,16 +232,19 @@ PYBIND11_MODULE(_core, m) {
            },
            "A writable memoryview of the whole host cache; invalid after close().")
       .def("enable_cuda",
-           [](EngineHandle& h, const std::string& path) {
+           [](EngineHandle& h, const std::string& path, bool batch_copies) {
              Engine& e = h.get();
              py::gil_scoped_release nogil;
-             e.enable_cuda(path);
+             e.enable_cuda(path, batch_copies);
            },
-           py::arg("runtime_path") = "")
+           py::arg("runtime_path") = "", py::arg("batch_copies") = true)
       .def_property_readonly("cuda_enabled", [](EngineHandle& h) { return h.get().cuda_enabled(); })
       .def_property_readonly("cache_pinned", [](EngineHandle& h) { return h.get().cache_pinned(); })
       .def_property_readonly("pin_error", [](EngineHandle& h) { return h.get().pin_error(); },
                              "Why enable_cuda() left the cache pageable (\"\" if pinned).")
+      .def_property_readonly("cuda_batch_error",
+                             [](EngineHandle& h) { return h.get().cuda_batch_error(); },
+                             "Why device copies are not batched (\"\" if they are).")
       .def("create_job", [](EngineHandle& h, const std::string& label) {
         return h.get().create_job(label);
       })
@@ -412,6 +415,10 @@ PYBIND11_MODULE(_core, m) {
              d["boosts"] = c.boosts;
              d["boost_refused"] = c.boost_refused;
              d["boost_available"] = c.boost_available;
+             d["cuda_copy_calls"] = c.cuda_copy_calls;
+             d["cuda_batch_calls"] = c.cuda_batch_calls;
+             d["cuda_batch_copies"] = c.cuda_batch_copies;
+             d["cuda_batch"] = c.cuda_batch;
              return d;
            })
       .def("pause_copies", [](EngineHandle& h, bool p) { h.get().pause_copies(p); },

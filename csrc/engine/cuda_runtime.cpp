@@ -12,6 +12,23 @@ constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kEventBlockingSync = 1;
 constexpr unsigned kEventDisableTiming = 2;
 constexpr unsigned kHostRegisterPortable = 1;
+// cudaMemcpyBatchAsync: first runtime version that has it, and the major version that dropped
+// its failIdx parameter.
+constexpr int kBatchMinVersion = 12080;
+constexpr int kBatchNoFailIndexVersion = 13000;
+// cudaMemcpySrcAccessOrderStream: the source is read in stream order, after the ready event the
+// stream waited for (what the save call's snapshot needs).
+constexpr int kSrcAccessOrderStream = 1;
+// Errors with which a runtime refuses the batch call as a whole: the driver is older than the
+// runtime's entry point, or the call (or our attribute struct) is not accepted. Copies are then
+// issued one by one; a copy that is really invalid fails there, naming its tensor.
+constexpr int kErrorInvalidValue = 1;
+constexpr int kErrorCallRequiresNewerDriver = 36;
+constexpr int kErrorNotSupported = 801;
+// cudaMemcpyAttributes is 24 bytes in CUDA 12.8 and 13 (srcAccessOrder, srcLocHint, dstLocHint,
+// flags); it is passed as zeroed words whose first one is the access order, with room to spare
+// should a later runtime read a longer struct.
+constexpr std::size_t kAttrWords = 16;
 
 void* open_runtime(const std::string& path, std::string& used) {
   if (!path.empty()) {
@@ -40,7 +57,7 @@ void resolve(void* handle, const char* name, F& fn, const std::string& path) {
 
 }  // namespace
 
-CudaRuntime::CudaRuntime(const std::string& library_path) {
+CudaRuntime::CudaRuntime(const std::string& library_path, bool batch) {
   handle_ = open_runtime(library_path, path_);
   if (handle_ == nullptr) {
     const char* err = ::dlerror();
@@ -62,6 +79,31 @@ CudaRuntime::CudaRuntime(const std::string& library_path) {
   resolve(handle_, "cudaGetLastError", get_last_error_, path_);
   resolve(handle_, "cudaMemcpyAsync", memcpy_async_, path_);
   resolve(handle_, "cudaGetErrorString", error_string_, path_);
+  resolve_batch(batch);
+}
+
+void CudaRuntime::resolve_batch(bool batch) {
+  auto* get_version = reinterpret_cast<int (*)(int*)>(::dlsym(handle_, "cudaRuntimeGetVersion"));
+  if (get_version != nullptr && get_version(&version_) != 0) {
+    get_last_error_();
+    version_ = 0;
+  }
+  batch_fn_ = ::dlsym(handle_, "cudaMemcpyBatchAsync");
+  if (!batch) {
+    batch_reason_ = "turned off (DCPDS_NO_CUDA_BATCH)";
+  } else if (batch_fn_ == nullptr) {
+    batch_reason_ = "the runtime has no cudaMemcpyBatchAsync";
+  } else if (version_ < kBatchMinVersion) {
+    batch_reason_ = "runtime version " + std::to_string(version_) + " is older than 12.8";
+  } else {
+    batch_abi_ = version_ >= kBatchNoFailIndexVersion ? BatchAbi::kCuda13 : BatchAbi::kCuda12;
+  }
+}
+
+std::string CudaRuntime::batch_unavailable_reason() const {
+  if (batch_abi_ == BatchAbi::kNone) return batch_reason_;
+  if (batch_off_.load()) return "cudaMemcpyBatchAsync was refused by the runtime";
+  return "";
 }
 
 CudaRuntime::~CudaRuntime() {
@@ -130,6 +172,39 @@ void CudaRuntime::synchronize_event(Event e) const {
 
 void CudaRuntime::memcpy_d2h_async(void* dst, const void* src, std::size_t bytes, Stream s) const {
   check(memcpy_async_(dst, src, bytes, kMemcpyDeviceToHost, s), "cudaMemcpyAsync (device to host)");
+}
+
+bool CudaRuntime::memcpy_d2h_batch(void* const* dsts, void* const* srcs,
+                                   const std::size_t* sizes, std::size_t count, Stream s,
+                                   std::size_t* fail_index) const {
+  *fail_index = kNoIndex;
+  DCPDS_CHECK(batch_available(), "cudaMemcpyBatchAsync is not available");
+  if (count == 0) return true;
+  int attrs[kAttrWords] = {};
+  attrs[0] = kSrcAccessOrderStream;
+  std::size_t attr_index = 0;
+  // The runtime's prototype takes non-const arrays; it does not write them.
+  auto** d = const_cast<void**>(dsts);
+  auto** src = const_cast<void**>(srcs);
+  auto* n = const_cast<std::size_t*>(sizes);
+  int status;
+  if (batch_abi_ == BatchAbi::kCuda12) {
+    std::size_t fail = kNoIndex;
+    status = reinterpret_cast<BatchFn12>(batch_fn_)(d, src, n, count, attrs, &attr_index, 1,
+                                                    &fail, s);
+    if (status != 0 && fail < count) *fail_index = fail;
+  } else {
+    status = reinterpret_cast<BatchFn13>(batch_fn_)(d, src, n, count, attrs, &attr_index, 1, s);
+  }
+  if (status == kErrorNotSupported || status == kErrorCallRequiresNewerDriver ||
+      status == kErrorInvalidValue) {
+    get_last_error_();  // see the header: not left for torch's next kernel launch
+    batch_off_.store(true);
+    *fail_index = kNoIndex;
+    return false;
+  }
+  check(status, "cudaMemcpyBatchAsync (device to host)");
+  return true;
 }
 
 }  // namespace dcpds

@@ -12,10 +12,13 @@
 // uses, and torch reads that slot after each kernel launch, so an error of ours left there would
 // surface as a spurious failure of the next kernel on the training thread. The noexcept teardown
 // calls (destroy, unregister) ignore their errors the same way.
+// Optional entry points: cudaRuntimeGetVersion and cudaMemcpyBatchAsync are looked up too, and
+// their absence only means copies are issued one by one (memcpy_d2h_batch).
 // Testing: any library exporting these entry points with CUDA's semantics can be loaded instead;
 // tests/cuda_sim/simcudart.cpp is such a stand-in, used to run the engine's CUDA path on CPU.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -28,7 +31,8 @@ class CudaRuntime {
   using Event = void*;
 
   // Loads `library_path` (empty: try the usual sonames among already loaded libraries first).
-  explicit CudaRuntime(const std::string& library_path);
+  // `batch` false: never use cudaMemcpyBatchAsync, even where the runtime has it.
+  explicit CudaRuntime(const std::string& library_path, bool batch = true);
   ~CudaRuntime();
   CudaRuntime(const CudaRuntime&) = delete;
   CudaRuntime& operator=(const CudaRuntime&) = delete;
@@ -53,6 +57,31 @@ class CudaRuntime {
   void synchronize_event(Event e) const;
   void memcpy_d2h_async(void* dst, const void* src, std::size_t bytes, Stream s) const;
 
+  // Batched copies (cudaMemcpyBatchAsync, CUDA 12.8+): `count` device-to-host copies queued on
+  // `s` in one call, in stream order as a whole (after everything queued on `s` before; the
+  // copies of one batch may run in any order among themselves, so they must not overlap).
+  // Resolved at load time, optional: available only when the symbol exists, the runtime
+  // reports version 12080 or later (cudaRuntimeGetVersion), and `batch` was not turned off. The
+  // entry point changed between major versions (CUDA 12 reports the failing copy through a
+  // `failIdx` out-parameter that CUDA 13 dropped); the version picks which one is called.
+  bool batch_available() const { return batch_abi_ != BatchAbi::kNone && !batch_off_.load(); }
+  // Why batch_available() is false ("" when it is true).
+  std::string batch_unavailable_reason() const;
+  // Queues the copies; true on success. A runtime that refuses the call as a whole
+  // (cudaErrorNotSupported or cudaErrorCallRequiresNewerDriver: a driver older than the
+  // runtime; cudaErrorInvalidValue: what a runtime reading the attribute struct differently
+  // would return) switches batching off for this runtime, the last error is cleared, and false
+  // is returned: the caller issues the same copies one by one (where a really invalid copy fails
+  // on its own, naming its tensor). Any other failure
+  // throws EngineError; *fail_index is then the index of the copy the runtime named, or
+  // kNoIndex (CUDA 13, or an error of the batch as a whole). Whether copies before that index
+  // were queued is unknown: the caller must synchronize `s` before reusing any destination.
+  static constexpr std::size_t kNoIndex = ~std::size_t{0};
+  // (srcs are only read; they are not const because the runtime's prototype has them so.)
+  bool memcpy_d2h_batch(void* const* dsts, void* const* srcs, const std::size_t* sizes,
+                        std::size_t count, Stream s, std::size_t* fail_index) const;
+  int runtime_version() const { return version_; }  // 0 when the runtime cannot tell
+
   const std::string& library_path() const { return path_; }
 
  private:
@@ -75,6 +104,20 @@ class CudaRuntime {
   int (*get_last_error_)() = nullptr;
   int (*memcpy_async_)(void*, const void*, std::size_t, int, Stream) = nullptr;
   const char* (*error_string_)(int) = nullptr;
+
+  // Batched copies (optional entry points). The attribute struct is passed as raw bytes (its
+  // first member, an int, is the source access order; the rest is zero): see cuda_runtime.cpp.
+  enum class BatchAbi { kNone, kCuda12, kCuda13 };
+  using BatchFn12 = int (*)(void**, void**, std::size_t*, std::size_t, void*, std::size_t*,
+                            std::size_t, std::size_t*, Stream);
+  using BatchFn13 = int (*)(void**, void**, std::size_t*, std::size_t, void*, std::size_t*,
+                            std::size_t, Stream);
+  void resolve_batch(bool batch);
+  BatchAbi batch_abi_ = BatchAbi::kNone;
+  void* batch_fn_ = nullptr;
+  int version_ = 0;
+  std::string batch_reason_;                    // why batch_abi_ is kNone (set once, at load)
+  mutable std::atomic<bool> batch_off_{false};  // switched off after an "unsupported" refusal
 };
 
 }  // namespace dcpds

@@ -739,6 +739,38 @@ void Engine::land_copy_locked(const CopyTask& task, Job& job,
   maybe_finalize_locked(job);
 }
 
+Engine::IssueFailure Engine::issue_staged(const StagedCopies& staged,
+                                          CudaRuntime::Stream stream) {
+  const std::size_t n = staged.dsts.size();
+  if (n >= 2 && cuda_->batch_available()) {
+    std::size_t fail = CudaRuntime::kNoIndex;
+    try {
+      ++cuda_batch_calls_;
+      if (cuda_->memcpy_d2h_batch(staged.dsts.data(), staged.srcs.data(), staged.sizes.data(), n,
+                                  stream, &fail)) {
+        cuda_batch_copies_ += n;
+        return {};
+      }
+      // Refused as a whole (nothing queued; batching is now off): one by one below. Re-issuing
+      // would be safe even had some been queued: each copy writes the same bytes to one place.
+    } catch (const std::exception& ex) {
+      // Some copies of the batch may be queued: none of its cache space may be released before
+      // they are done.
+      cuda_->try_synchronize_stream(stream);
+      return {0, fail < n ? fail : 0, ex.what()};
+    }
+  }
+  for (std::size_t k = 0; k < n; ++k) {
+    try {
+      ++cuda_copy_calls_;
+      cuda_->memcpy_d2h_async(staged.dsts[k], staged.srcs[k], staged.sizes[k], stream);
+    } catch (const std::exception& ex) {
+      return {k, k, ex.what()};
+    }
+  }
+  return {};
+}
+
 void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::uint64_t ticket,
                              int device, CudaResources& cuda_res, int& current_device) {
   // A copy issued on this thread's stream and not yet waited for.
@@ -749,6 +781,8 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
     std::string error;
   };
   std::vector<Issued> batch;
+  StagedCopies staged;
+  std::size_t batch_bytes = 0;
   CudaRuntime::Stream stream = nullptr;
   CudaRuntime::Event done = nullptr;
   // The ready event this stream last waited for. Every copy of this call is of one job on one
@@ -757,10 +791,31 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
   std::uintptr_t waited = 0;
   double t0 = now_s();
 
+  // Hands the staged copies to the runtime. A failure fails the copy the runtime named (the
+  // first of a batch call that named none) and every staged copy after the first not surely
+  // issued, each with that copy's error: none of them is landed as copied.
+  auto submit = [&] {
+    if (staged.dsts.empty()) return;
+    const IssueFailure f = issue_staged(staged, stream);
+    if (f.from != IssueFailure::kAllIssued) {
+      Issued& named = batch[staged.index[f.named]];
+      std::string error;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        error = "copy of '" + named.job->entries[named.task.entry].name + "' failed: " + f.error;
+      }
+      named.error = error;
+      for (std::size_t k = f.from; k < staged.index.size(); ++k)
+        if (batch[staged.index[k]].error.empty()) batch[staged.index[k]].error = error;
+    }
+    staged.clear();
+  };
+
   // Waits for every copy of the batch (one event after the last), then lands them all. A failed
   // wait fails every chunk of the batch; the stream is drained first, so no copy can still land
   // in cache space that is released.
   auto complete = [&] {
+    submit();
     std::string wait_error;
     const bool issued = std::any_of(batch.begin(), batch.end(), [](const Issued& i) {
       return i.off && i.error.empty();
@@ -777,6 +832,9 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
     const double t1 = now_s();
     const double busy = (t1 - t0) / static_cast<double>(batch.empty() ? 1 : batch.size());
     std::lock_guard<std::mutex> lock(mu_);
+    // The failed copy first: the job's error names it, not a copy staged before it.
+    std::stable_partition(batch.begin(), batch.end(),
+                          [](const Issued& i) { return !i.error.empty(); });
     for (const Issued& i : batch) {
       std::string error = i.error;
       if (error.empty() && i.off && !wait_error.empty())
@@ -785,6 +843,7 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
     }
     state_cv_.notify_all();
     batch.clear();
+    batch_bytes = 0;
     t0 = t1;
   };
 
@@ -826,12 +885,18 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
           }
           maybe_delay(true);
           // Ordered after the producer's work: the event was recorded on the compute stream at
-          // the save call, so the bytes copied are the ones of that moment.
+          // the save call, so the bytes copied are the ones of that moment. Copies staged
+          // before are issued first: they must not wait for a later event.
           if (ready != 0 && ready != waited) {
+            submit();
             cuda_->stream_wait_event(stream, reinterpret_cast<CudaRuntime::Event>(ready));
             waited = ready;
           }
-          cuda_->memcpy_d2h_async(cache_.data() + *off, from, n, stream);
+          staged.index.push_back(batch.size());
+          staged.dsts.push_back(cache_.data() + *off);
+          staged.srcs.push_back(const_cast<std::uint8_t*>(from));
+          staged.sizes.push_back(n);
+          batch_bytes += n;
         } catch (const std::exception& ex) {
           cur.error = "copy of '" + name + "' failed: " + ex.what();
         }
@@ -841,7 +906,9 @@ void Engine::run_cuda_copies(CopyTask task, Job* job, std::size_t bytes, std::ui
     }
     const bool stop_here = !off || !cur.error.empty();
     batch.push_back(std::move(cur));
-    if (stop_here || batch.size() >= kMaxCudaBatch) break;
+    if (stop_here || batch.size() >= kMaxCudaBatch ||
+        (batch.size() >= kMaxCudaLargeBatch && batch_bytes >= kCudaBatchBytes))
+      break;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_ || paused_ || !pop_copy_locked(task, job, bytes, ticket, device, job)) break;
@@ -1486,15 +1553,19 @@ EngineCounters Engine::counters() {
     for (auto& f : kv.second->files) files += f->is_open() ? 1 : 0;
   EngineCounters c{cache_.size(), ring_.used_bytes(), ring_.live_blocks(), jobs_.size(),
                    files, copy_queue_.size(), flush_queue_.size(), helped_copies_, 0, 0, false};
+  c.cuda_batch = cuda_ != nullptr && cuda_->batch_available();
   lock.unlock();
   std::lock_guard<std::mutex> boost_lock(boost_mu_);
   c.boosts = boosts_;
   c.boost_refused = boost_refused_;
   c.boost_available = boost_available_;
+  c.cuda_copy_calls = cuda_copy_calls_.load();
+  c.cuda_batch_calls = cuda_batch_calls_.load();
+  c.cuda_batch_copies = cuda_batch_copies_.load();
   return c;
 }
 
-void Engine::enable_cuda(const std::string& runtime_path) {
+void Engine::enable_cuda(const std::string& runtime_path, bool batch_copies) {
   check_owner();
   // cuda_mu_ serializes enable_cuda() calls; mu_ is not held while the runtime loads and the
   // cache is registered (seconds for a large cache), so copies and flushes go on meanwhile.
@@ -1503,7 +1574,8 @@ void Engine::enable_cuda(const std::string& runtime_path) {
     std::lock_guard<std::mutex> lock(mu_);
     if (cuda_ != nullptr) return;
   }
-  auto rt = std::make_unique<CudaRuntime>(runtime_path);  // throws if it cannot be loaded
+  // throws if it cannot be loaded
+  auto rt = std::make_unique<CudaRuntime>(runtime_path, batch_copies);
   std::string pin_error;
   try {
     cache_.pin(*rt);
@@ -1519,6 +1591,11 @@ void Engine::enable_cuda(const std::string& runtime_path) {
 std::string Engine::pin_error() {
   std::lock_guard<std::mutex> lock(mu_);
   return pin_error_;
+}
+
+std::string Engine::cuda_batch_error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cuda_ == nullptr ? "CUDA is not enabled" : cuda_->batch_unavailable_reason();
 }
 
 void Engine::pause_copies(bool paused) {

@@ -120,6 +120,12 @@ struct EngineCounters {
   // The copy threads run under SCHED_IDLE and a barrier may raise them (probed once when the
   // first copy thread starts; false without idle_priority or where the OS refuses).
   bool boost_available;
+  // Device-to-host copy calls since start: cudaMemcpyAsync calls (one copy each), and
+  // cudaMemcpyBatchAsync calls with the copies they carried (run_cuda_copies).
+  std::uint64_t cuda_copy_calls = 0;
+  std::uint64_t cuda_batch_calls = 0;
+  std::uint64_t cuda_batch_copies = 0;
+  bool cuda_batch = false;  // CUDA is enabled and copies are batched (CudaRuntime::batch_available)
 };
 
 class Engine {
@@ -231,11 +237,14 @@ class Engine {
   std::size_t chunk_bytes() const { return chunk_bytes_; }
   // Loads the CUDA runtime at `runtime_path` (throws EngineError if it cannot) and pins the cache.
   // A failure to pin is not an error: copies then go to pageable memory (correct, slower, each
-  // one synchronous); cache_pinned() is false and pin_error() says why. Idempotent.
-  void enable_cuda(const std::string& runtime_path);
+  // one synchronous); cache_pinned() is false and pin_error() says why. `batch_copies` false:
+  // never cudaMemcpyBatchAsync (see CudaRuntime). Idempotent (the first call's arguments hold).
+  void enable_cuda(const std::string& runtime_path, bool batch_copies = true);
   bool cuda_enabled() const { return cuda_ != nullptr; }
   bool cache_pinned() const { return cache_.pinned(); }
   std::string pin_error();  // "" when pinned or CUDA is not enabled
+  // Why copies are not batched ("" when they are; CudaRuntime::batch_unavailable_reason).
+  std::string cuda_batch_error();
 
   // --- test hooks
   void pause_copies(bool paused);
@@ -339,8 +348,40 @@ class Engine {
   // pop_copy_locked's filter: any task, host copies only (kHostDevice), or one CUDA device.
   static constexpr int kAnyDevice = -2;
   static constexpr int kHostDevice = -1;
-  // Most CUDA chunks one copy thread issues before it waits for them (run_cuda_copies).
-  static constexpr std::size_t kMaxCudaBatch = 32;
+  // Most CUDA chunks one copy thread issues before it waits for them (run_cuda_copies): up to
+  // kMaxCudaBatch, and past kMaxCudaLargeBatch only while the batch holds under
+  // kCudaBatchBytes (small tensors: fewer waits, fewer batch calls; large chunks: cache space is
+  // not held unlanded for long).
+  static constexpr std::size_t kMaxCudaBatch = 256;
+  static constexpr std::size_t kMaxCudaLargeBatch = 32;
+  static constexpr std::size_t kCudaBatchBytes = 8u << 20;
+  // Copies of one batch staged for the runtime but not yet issued (run_cuda_copies).
+  struct StagedCopies {
+    std::vector<std::size_t> index;  // position in the batch
+    std::vector<void*> dsts;
+    std::vector<void*> srcs;  // read only (the runtime's prototype is not const)
+    std::vector<std::size_t> sizes;
+    void clear() {
+      index.clear();
+      dsts.clear();
+      srcs.clear();
+      sizes.clear();
+    }
+  };
+  // What issue_staged() could not issue: staged copies `from`.. were not (or not surely) issued,
+  // `named` is the one the error is about; from == kAllIssued on success.
+  struct IssueFailure {
+    static constexpr std::size_t kAllIssued = ~std::size_t{0};
+    std::size_t from = kAllIssued;
+    std::size_t named = 0;
+    std::string error;
+  };
+  // Issues the staged copies on `stream`: one cudaMemcpyBatchAsync where the runtime has it (two
+  // or more copies), else (or after the runtime refused the batch call) one cudaMemcpyAsync
+  // each. A failed batch call fails all its copies (from = 0, named = the copy the runtime
+  // named, else the first), after draining the stream: some may have been queued.
+  IssueFailure issue_staged(const StagedCopies& staged, CudaRuntime::Stream stream);
+  std::atomic<std::uint64_t> cuda_copy_calls_{0}, cuda_batch_calls_{0}, cuda_batch_copies_{0};
   // Pops the first copy task whose chunk is still pending (under mu_), marks it kCopying and
   // takes its cache ticket. With a device filter, stops (returns false) at a task of another
   // device (kHostDevice: at a CUDA task); with only_job, at a task of another job.
@@ -349,8 +390,9 @@ class Engine {
   // Runs one popped host task: reserves cache space (in ticket order), copies, lands the chunk.
   void run_copy(const CopyTask& task, Job* job, std::size_t bytes, std::uint64_t ticket);
   // Runs a popped CUDA task and the tasks of its job and device queued right behind it: issues up
-  // to kMaxCudaBatch copies on this thread's stream, then waits once for all of them (one
-  // event), instead of a wait per chunk. Cache space for a further chunk is only taken if it is
+  // to kMaxCudaBatch copies on this thread's stream (staged, then handed to the runtime at once by
+  // issue_staged: before the stream waits for another ready event, and before the wait), then
+  // waits once for all of them (one event), instead of a wait per chunk. Cache space for a further chunk is only taken if it is
   // free at once; otherwise the issued copies are waited for and landed first, so a thread
   // never waits for space while holding cache space it has not landed. Never across jobs: a job
   // whose copies are ready must not wait for another's (held by its compute stream).

@@ -34,6 +34,20 @@
 //   simcuda_enqueue_gate(stream, gate) / simcuda_open_gate(gate) a kernel that runs until opened
 //   simcuda_last_error_peek()                         the calling thread's last error, not cleared
 //   simcuda_quiesce(timeout_ms)                       waits until every stream's queue is drained
+//   simcuda_set_runtime_version(v)                    what cudaRuntimeGetVersion reports (default
+//                                                     12040: too old for the batch call; set 12080
+//                                                     for the CUDA 12 build, 13000 for the CUDA 13
+//                                                     one: the caller picks the prototype by it)
+//   simcuda_set_fail_index(i)                         the failIdx an injected batch failure reports
+//                                                     (< 0: SIZE_MAX, "no particular copy")
+//   counters "batch_copies", "batch_largest"          copies queued by batch calls, largest batch
+//   counter "stale_errors"                            calls made while the calling thread's last
+//                                                     error was still set (not sticky)
+//
+// cudaMemcpyBatchAsync is exported with CUDA 12.8's prototype (failIdx before the stream); with
+// -DSIMCUDART_CUDA13, with CUDA 13's (no failIdx); with -DSIMCUDART_NO_BATCH, not at all (a
+// runtime before 12.8). One build per prototype: a single symbol guessing its caller's argument
+// count would read an argument never passed.
 //
 // Build: c++ -std=c++17 -shared -fPIC -O2 -pthread -Wl,-z,nodelete simcudart.cpp -o libsimcudart.so
 // (done by tests/test_cuda_sim.py). nodelete keeps the code mapped after dlclose(), because the
@@ -54,6 +68,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -109,6 +124,13 @@ int g_device_count = 2;
 std::uint64_t g_copies = 0, g_pageable_copies = 0, g_bad_handles = 0, g_violations = 0;
 std::uint64_t g_threads_alive = 0;
 std::shared_ptr<Stream> g_default_stream;  // the legacy stream 0, created on first use
+constexpr int kDefaultRuntimeVersion = 12040;  // before cudaMemcpyBatchAsync
+int g_runtime_version = kDefaultRuntimeVersion;  // what cudaRuntimeGetVersion reports
+std::size_t g_fail_index = ~std::size_t{0};      // failIdx of an injected batch failure
+std::uint64_t g_batch_copies = 0, g_batch_largest = 0;
+// Calls made by a thread whose last error was still set (no cudaGetLastError since its failing
+// call, no sticky error): torch would report that error as its own next kernel's.
+std::uint64_t g_stale_errors = 0;
 
 thread_local int t_last_error = 0;
 thread_local int t_device = 0;
@@ -193,8 +215,9 @@ int enter(const char* name, bool sticky = true) {
     }
   }
   if (latency > 0) std::this_thread::sleep_for(std::chrono::microseconds(latency));
-  if (fail != kSuccess) return set_error(fail);
   std::lock_guard<std::mutex> lock(g_mu);
+  if (t_last_error != kSuccess && g_sticky == kSuccess) ++g_stale_errors;
+  if (fail != kSuccess) return set_error(fail);
   if (sticky && g_sticky != kSuccess) return set_error(g_sticky);
   return kSuccess;
 }
@@ -212,6 +235,9 @@ std::uint64_t count_locked(const std::string& name) {
   if (name == "registrations") return g_registered.size();
   if (name == "inflight_copies") return g_pending_copies.size();
   if (name == "copies") return g_copies;
+  if (name == "batch_copies") return g_batch_copies;
+  if (name == "batch_largest") return g_batch_largest;
+  if (name == "stale_errors") return g_stale_errors;
   if (name == "pageable_copies") return g_pageable_copies;
   if (name == "bad_handles") return g_bad_handles;
   if (name == "violations") return g_violations;
@@ -385,16 +411,14 @@ int cudaStreamWaitEvent(void* stream, void* event, unsigned flags) {
   return kSuccess;
 }
 
-int cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, int kind, void* stream) {
-  if (int e = enter("cudaMemcpyAsync")) return e;
-  std::unique_lock<std::mutex> lock(g_mu);
-  auto s = stream_locked(stream);
-  if (!s) return set_error(kInvalidResourceHandle);
-  if (kind < 0 || kind > 4) return set_error(kInvalidMemcpyDirection);
-  if (bytes == 0) return kSuccess;
-  if (dst == nullptr || src == nullptr) return set_error(kInvalidValue);
+}  // extern "C"
+
+namespace {
+
+// Queues one copy on `s` (under g_mu); returns the flag the stream sets once it has run.
+std::shared_ptr<bool> enqueue_copy_locked(const std::shared_ptr<Stream>& s, void* dst,
+                                          const void* src, std::size_t bytes, bool pageable) {
   const auto d = reinterpret_cast<std::uintptr_t>(dst);
-  const bool pageable = !registered_locked(d, bytes);
   const std::uint64_t id = g_next_copy++;
   g_pending_copies.emplace(id, std::make_pair(d, bytes));
   auto done = std::make_shared<bool>(false);
@@ -426,6 +450,23 @@ int cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, int kind, voi
     *done = true;
     g_cv.notify_all();
   });
+  return done;
+}
+
+}  // namespace
+
+extern "C" {
+
+int cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, int kind, void* stream) {
+  if (int e = enter("cudaMemcpyAsync")) return e;
+  std::unique_lock<std::mutex> lock(g_mu);
+  auto s = stream_locked(stream);
+  if (!s) return set_error(kInvalidResourceHandle);
+  if (kind < 0 || kind > 4) return set_error(kInvalidMemcpyDirection);
+  if (bytes == 0) return kSuccess;
+  if (dst == nullptr || src == nullptr) return set_error(kInvalidValue);
+  const bool pageable = !registered_locked(reinterpret_cast<std::uintptr_t>(dst), bytes);
+  auto done = enqueue_copy_locked(s, dst, src, bytes, pageable);
   // Device-to-host into pageable memory: the call returns once the copy is done.
   if (pageable && kind == 2) {
     g_cv.wait(lock, [&] { return *done; });
@@ -433,6 +474,85 @@ int cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, int kind, voi
   }
   return kSuccess;
 }
+
+int cudaRuntimeGetVersion(int* version) {
+  if (int e = enter("cudaRuntimeGetVersion", false)) return e;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (version == nullptr) return set_error(kInvalidValue);
+  *version = g_runtime_version;
+  return kSuccess;
+}
+
+#ifndef SIMCUDART_NO_BATCH
+}  // extern "C"
+
+namespace {
+
+// cudaMemcpyBatchAsync's semantics, for both prototypes. Each attribute struct's first int is
+// the source access order (1..3 valid). The whole batch is validated before any copy is queued;
+// an injected failure (simcuda_fail) reports simcuda_set_fail_index()'s index through failIdx
+// (CUDA 12 only) and queues nothing.
+int memcpy_batch(void** dsts, void** srcs, std::size_t* sizes, std::size_t count, void* attrs,
+                 std::size_t* attrs_idxs, std::size_t num_attrs, std::size_t* fail_idx,
+                 void* stream) {
+  std::size_t fail_index;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    fail_index = g_fail_index;
+  }
+  auto fail = [&](int error, std::size_t index) {
+    if (fail_idx != nullptr) *fail_idx = index;
+    return set_error(error);
+  };
+  if (int e = enter("cudaMemcpyBatchAsync")) return fail(e, fail_index);
+  std::unique_lock<std::mutex> lock(g_mu);
+  auto s = stream_locked(stream);
+  if (!s) return fail(kInvalidResourceHandle, ~std::size_t{0});
+  if (count == 0 || dsts == nullptr || srcs == nullptr || sizes == nullptr || attrs == nullptr ||
+      attrs_idxs == nullptr || num_attrs == 0 || num_attrs > count || attrs_idxs[0] != 0)
+    return fail(kInvalidValue, ~std::size_t{0});
+  const int order = *static_cast<const int*>(attrs);
+  if (num_attrs != 1 || order < 1 || order > 3) return fail(kInvalidValue, 0);
+  bool pageable = false;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (sizes[i] != 0 && (dsts[i] == nullptr || srcs[i] == nullptr)) return fail(kInvalidValue, i);
+    pageable = pageable || !registered_locked(reinterpret_cast<std::uintptr_t>(dsts[i]), sizes[i]);
+  }
+  std::vector<std::shared_ptr<bool>> done;
+  for (std::size_t i = 0; i < count; ++i)
+    if (sizes[i] != 0) done.push_back(enqueue_copy_locked(s, dsts[i], srcs[i], sizes[i], pageable));
+  g_batch_copies += count;
+  g_batch_largest = std::max<std::uint64_t>(g_batch_largest, count);
+  if (pageable) {  // as cudaMemcpyAsync: into pageable memory the call returns once done
+    g_cv.wait(lock, [&] {
+      return std::all_of(done.begin(), done.end(), [](const auto& d) { return *d; });
+    });
+    return set_error(g_sticky);
+  }
+  return kSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+#ifdef SIMCUDART_CUDA13
+// CUDA 13's prototype: no failIdx.
+int cudaMemcpyBatchAsync(void** dsts, void** srcs, std::size_t* sizes, std::size_t count,
+                         void* attrs, std::size_t* attrs_idxs, std::size_t num_attrs,
+                         void* stream) {
+  return memcpy_batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, nullptr, stream);
+}
+#else
+// CUDA 12.8's prototype.
+int cudaMemcpyBatchAsync(void** dsts, void** srcs, std::size_t* sizes, std::size_t count,
+                         void* attrs, std::size_t* attrs_idxs, std::size_t num_attrs,
+                         std::size_t* fail_idx, void* stream) {
+  return memcpy_batch(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, fail_idx, stream);
+}
+#endif
+#endif
+
 
 // ---------------------------------------------------------------- test controls
 
@@ -453,7 +573,20 @@ void simcuda_reset() {
   });
   g_gates.clear();
   g_copies = g_pageable_copies = g_bad_handles = g_violations = 0;
+  g_batch_copies = g_batch_largest = g_stale_errors = 0;
+  g_runtime_version = kDefaultRuntimeVersion;
+  g_fail_index = ~std::size_t{0};
   t_last_error = kSuccess;
+}
+
+void simcuda_set_runtime_version(int version) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_runtime_version = version;
+}
+
+void simcuda_set_fail_index(long long index) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_fail_index = index < 0 ? ~std::size_t{0} : static_cast<std::size_t>(index);
 }
 
 void simcuda_fail(const char* name, int nth, int error, int times) {
