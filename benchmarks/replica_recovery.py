@@ -11,8 +11,8 @@ empty) restores the state, per round in rotated order, by each way:
 
 * ``replica``: ``recover_from_replicas`` on the fast roots, then ``DataStatesReader`` (checksums
   verified as it reads) from the rebuilt fast-tier checkpoint;
-* ``disk, ours``: ``DataStatesReader`` from the persistent tier, page cache evicted first;
-* ``disk, stock``: the stock ``dcp.load`` from the persistent tier, page cache evicted first.
+* ``disk-ours``: ``DataStatesReader`` from the persistent tier, page cache evicted first;
+* ``disk-stock``: the stock ``dcp.load`` from the persistent tier, page cache evicted first.
 
 Each restore is a fresh torchrun launch (the fast roots reset to their state after the loss
 before each ``replica`` round, by hard links); every value is checked bit for bit. Reported,
@@ -46,7 +46,7 @@ if __package__ in (None, ""):
     runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_as_script.py"))
 
 HERE = os.path.abspath(__file__)
-WAYS = ("replica", "disk, ours", "disk, stock")
+WAYS = ("replica", "disk-ours", "disk-stock")
 MIB = 1 << 20
 
 
@@ -112,7 +112,7 @@ def _worker(cfg: dict[str, Any], mode: str, way: str | None, tag: str) -> None:
             dcp.load(target, storage_reader=dd.DataStatesReader(path), process_group=pg)
         else:
             path = os.path.join(cfg["persist"], "step-1")
-            if way == "disk, ours":
+            if way == "disk-ours":
                 dcp.load(target, storage_reader=dd.DataStatesReader(path), process_group=pg)
             else:
                 dcp.load(target, checkpoint_id=path, process_group=pg)
@@ -191,7 +191,7 @@ def benchmark(a: argparse.Namespace) -> dict[str, Any]:
                     shutil.copytree(pristine, fast, copy_function=os.link)
                 else:
                     _evict(cfg["persist"])
-                tag = f"{way.replace(', ', '-')}-{rnd}"
+                tag = f"{way}-{rnd}"
                 rc, wall, log = _launch(cfg_path, a.load_ranks,
                                         ["--mode", "restore", "--way", way, "--tag", tag],
                                         a.timeout)
@@ -222,7 +222,7 @@ def _report(res: dict[str, Any], out_dir: str) -> None:
     with open(os.path.join(out_dir, "replica_recovery.json"), "w") as f:
         json.dump(res, f, indent=1)
     m, s = res["medians"], res["save"]
-    stock = m.get("disk, stock", {"restore_s": math.nan})
+    stock = m.get("disk-stock", {"restore_s": math.nan})
     lines = [
         f"# Node loss: restart from peer replicas ({res['config']['state_mib']} MiB, "
         f"{res['config']['ranks']} ranks as {res['config']['ranks'] // 2} simulated nodes, "
