@@ -13,11 +13,19 @@ Then, with no trainer running, the agent must finish and exit, and:
 
 ``python tests/persist_trials.py --trials 100`` runs them and prints a JSON summary (the numbers
 of docs/configuration.md, "Recovery"); tests/test_persist_agent.py runs a few in the suite.
+
+A trial that kills the trainer after its writer exists (9 in 10) forks it from a server that
+imported torch once (``persist_child.py serve``): the kill is timed from the trainer's ``ready``,
+so only the seconds of its interpreter start are saved; a trial that kills it in its start-up runs
+it in a fresh interpreter (``--fresh``: every trial does). ``--jobs N`` runs N trials at a time:
+each has its own tiers and agent and mostly waits (the trainer's pauses between saves, the
+agent's start), and the load only shifts when the kills land in their work.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import filecmp
 import json
 import os
@@ -27,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -81,16 +90,58 @@ def _complete(root: Path) -> list[str]:
     return [i.name for i in list_checkpoints(root) if i.complete]
 
 
-def run_trial(base: Path, seed: int) -> Trial:
-    """Runs one trial under ``base`` (removed afterwards unless it failed)."""
-    rng = random.Random(seed)
-    fast = Path("/dev/shm" if os.path.isdir("/dev/shm") else base) / f"pa-{uuid.uuid4().hex[:8]}"
-    slow = base / f"slow-{seed}"
-    early = rng.random() < 0.1  # killed during its start-up, before its first save
-    t = Trial(seed, rng.uniform(0.0, 2.0 if early else KILL_WINDOW_S), 2 if seed % 2 else None)
+class TrainerServer:
+    """Drives ``persist_child.py serve``: forks trainers from an interpreter that has imported
+    torch already. Safe to share between threads (one request and its reply at a time)."""
+
+    def __init__(self, scratch: Path) -> None:
+        scratch.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._log = scratch / "trainer-server.err"
+        with open(self._log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "persist_child.py"), "serve", str(scratch)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                env=dict(_env(), OPENBLAS_NUM_THREADS="1"),  # numpy's BLAS: no thread pool
+                text=True, bufsize=1,
+            )
+
+    def _ask(self, line: str, expect: str) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self._lock:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline().split()
+        if len(reply) != 2 or reply[0] != expect:
+            log = self._log.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"trainer server replied {reply!r} to {line!r}; stderr:\n{log}")
+        return int(reply[1])
+
+    def start(self, out: Path, args: list[str]) -> int:
+        """Forks a trainer (``persist_child.py`` ARGS, its prints to ``out``); its pid, which is
+        also its process group."""
+        return self._ask(f"run {out} {' '.join(args)}", "pid")
+
+    def reap(self, pid: int) -> int:
+        return self._ask(f"reap {pid}", "status")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _fresh_trainer(t: Trial, args: list[str], early: bool) -> None:
+    """The trainer in a fresh interpreter; killed ``t.kill_s`` after its start if ``early``,
+    else after it said ``ready``."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "persist_child.py"), str(fast), str(slow), "1", str(STEPS),
-         str(PAUSE_S), str(t.retention or "none")],
+        [sys.executable, str(HERE / "persist_child.py"), *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env(), start_new_session=True,
     )
     try:
@@ -103,6 +154,40 @@ def run_trial(base: Path, seed: int) -> Trial:
         os.killpg(proc.pid, signal.SIGKILL)  # a launcher killing its worker's group
     finally:
         proc.wait()
+
+
+def _forked_trainer(t: Trial, args: list[str], server: TrainerServer, out: Path) -> None:
+    """The trainer forked from ``server``; killed ``t.kill_s`` after it said ``ready``."""
+    pid = server.start(out, args)
+    try:
+        deadline = time.monotonic() + AGENT_WAIT_S
+        while not (out.is_file() and out.read_bytes().endswith(b"\n")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        line = out.read_bytes().split(b"\n")[0] if out.is_file() else b""
+        if not line.startswith(b"ready"):  # "ready": writer created
+            t.failures.append(f"the trainer did not start: {line!r}")
+        time.sleep(t.kill_s)
+        os.killpg(pid, signal.SIGKILL)  # a launcher killing its worker's group
+    finally:
+        server.reap(pid)
+        out.unlink(missing_ok=True)
+
+
+def run_trial(base: Path, seed: int, server: TrainerServer | None = None) -> Trial:
+    """Runs one trial under ``base`` (removed afterwards unless it failed); the trainer is forked
+    from ``server`` unless the trial kills it in its start-up (or there is no server)."""
+    rng = random.Random(seed)
+    fast = Path("/dev/shm" if os.path.isdir("/dev/shm") else base) / f"pa-{uuid.uuid4().hex[:8]}"
+    slow = base / f"slow-{seed}"
+    early = rng.random() < 0.1  # killed during its start-up, before its first save
+    t = Trial(seed, rng.uniform(0.0, 2.0 if early else KILL_WINDOW_S), 2 if seed % 2 else None)
+    args = [str(fast), str(slow), "1", str(STEPS), str(PAUSE_S), str(t.retention or "none")]
+    if early or server is None:
+        _fresh_trainer(t, args, early)
+    else:
+        _forked_trainer(t, args, server, base / f"trainer-{seed}.out")
     t0 = time.monotonic()
     t.committed = len(_complete(fast))
     newest_slow = max((i.step for i in list_checkpoints(slow) if i.complete), default=-1)
@@ -150,12 +235,22 @@ def check(fast: Path, slow: Path, retention: int | None) -> list[str]:
     return bad
 
 
-def run(trials: int, seed0: int = 0, base: Path | None = None) -> dict[str, object]:
-    """Runs ``trials`` trials; returns the summary (failed trials listed in full)."""
+def run(
+    trials: int, seed0: int = 0, base: Path | None = None, jobs: int = 1, fork: bool = True
+) -> dict[str, object]:
+    """Runs ``trials`` trials, ``jobs`` at a time, trainers forked from a :class:`TrainerServer`
+    if ``fork`` (those killed in their start-up always start fresh); returns the summary (failed
+    trials listed in full)."""
     own = base is None
     root = Path(tempfile.mkdtemp(prefix="persist-trials-")) if base is None else base
     t0 = time.monotonic()
-    results = [run_trial(root, seed0 + i) for i in range(trials)]
+    server = TrainerServer(root / "trainer-server") if fork else None
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            results = list(pool.map(lambda i: run_trial(root, seed0 + i, server), range(trials)))
+    finally:
+        if server is not None:
+            server.close()
     failed = [asdict(r) for r in results if r.failures]
     if own and not failed:
         shutil.rmtree(root, ignore_errors=True)
@@ -179,8 +274,11 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="trials run at a time")
+    p.add_argument("--fresh", action="store_true",
+                   help="every trainer in a fresh interpreter (no fork server)")
     args = p.parse_args()
-    summary = run(args.trials, args.seed)
+    summary = run(args.trials, args.seed, jobs=args.jobs, fork=not args.fresh)
     print(json.dumps(summary, indent=1))
     return 1 if summary["failed"] else 0
 

@@ -76,16 +76,17 @@ def _agent_pid(fast: Path) -> int | None:
 
 
 def test_sigkill_trials_fast() -> None:
-    """6 SIGKILL trials (tests/persist_trials.py; about 15 s each on a loaded 2-core machine):
-    nothing committed on the fast tier is lost."""
-    summary = run(6, seed0=0)
+    """6 SIGKILL trials (tests/persist_trials.py; two at a time, trainers forked from a server
+    that imported torch once; about 40 s in all on a 2-core machine): nothing committed on the
+    fast tier is lost."""
+    summary = run(6, seed0=0, jobs=2)
     assert summary["failed"] == 0, summary["failures"]
 
 
 @pytest.mark.slow
 def test_sigkill_trials_100() -> None:
-    """The full 100 trials (about 15 minutes on 2 cores)."""
-    summary = run(100, seed0=1000)
+    """The full 100 trials (as above; about 11 minutes on 2 shared cores, 16 serial)."""
+    summary = run(100, seed0=1000, jobs=2)
     assert summary["failed"] == 0, summary["failures"]
 
 
