@@ -109,7 +109,10 @@ def _list_own(root: str) -> dict[str, _Own]:
                 with contextlib.suppress(ValueError):
                     ids[int(f[len("__datastates_manifest_"):-5])] = manifest_save_id(
                         os.path.join(d, f))
-        meta = _meta_id(os.path.join(d, METADATA_FILE)) if METADATA_FILE in files else None
+        if METADATA_FILE not in files and _META_IN in files:  # set aside by a failed rebuild
+            files[METADATA_FILE] = files[_META_IN]
+        meta_name = METADATA_FILE if os.path.exists(os.path.join(d, METADATA_FILE)) else _META_IN
+        meta = _meta_id(os.path.join(d, meta_name)) if METADATA_FILE in files else None
         out[name] = _Own(files=files, meta_id=meta, manifest_ids=ids)
     return out
 

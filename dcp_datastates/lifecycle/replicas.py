@@ -235,7 +235,10 @@ class Replicator:
         edges = [_local(e, request.rank, d, target) for e in edges]
         incoming = [e for e in edges if e.dst == request.rank]
         if incoming:
-            _prepare_target(target, everyone, commit_id)
+            try:
+                _prepare_target(target, everyone, commit_id)
+            except OSError as e:  # the exchange still runs (its writes fail and drain)
+                logger.error("replicas of %s: cannot prepare %s: %s", d, target, e)
         try:
             result = exchange(edges, self.group, timeout_s=self.timeout_s)
         except RuntimeError as e:
@@ -255,7 +258,10 @@ class Replicator:
             else:
                 rec.sent += edge.total
         if incoming:
-            _prune(os.path.dirname(target), mine.name, commit_id)
+            try:
+                _prune(os.path.dirname(target), mine.name, commit_id)
+            except OSError as e:
+                logger.warning("replicas: retention of %s: %s", os.path.dirname(target), e)
         if result.errors or failed:
             raise RuntimeError("; ".join(result.errors.values()) or
                                f"edges {failed} of the round failed on a peer")
