@@ -267,3 +267,31 @@ def test_damaged_replica_is_caught_by_verify(
     assert all("fails verification" in e and "step-2" in e for e in errors), errors
     for node in ("node0", "node1"):  # neither node's step-2 looks complete
         assert not (tmp_path / "fast" / node / "step-2" / ".metadata").exists()
+
+
+def _restore_or_error(rank: int, world: int, base: str) -> str:
+    from dcp_datastates import recover_from_replicas
+    from dcp_datastates.errors import DataStatesError
+
+    try:
+        path = recover_from_replicas(_node_root(base, rank, 1), timeout_s=60)
+    except DataStatesError as e:
+        return f"error: {e}"
+    return os.path.basename(str(path))
+
+
+def test_failed_rebuild_can_be_retried(
+    tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
+) -> None:
+    """The replacement node cannot create the checkpoint directory (a file is in the way): every
+    rank gets the error naming it, nothing looks complete; once the file is gone, the same call
+    rebuilds step-2 (the survivor's .metadata, set aside by the failed try, is found again)."""
+    base = _copy_of(saved_two_steps[0], tmp_path)
+    shutil.rmtree(tmp_path / "fast" / "node1")
+    (tmp_path / "fast" / "node1").mkdir()
+    (tmp_path / "fast" / "node1" / "step-2").write_text("in the way")
+    first = run_ranks(_restore_or_error, base, tmp_path=tmp_path / "w2a")
+    assert all(e.startswith("error:") and "node1/step-2" in e for e in first), first
+    assert not (tmp_path / "fast" / "node0" / "step-2" / ".metadata").exists()
+    (tmp_path / "fast" / "node1" / "step-2").unlink()
+    assert run_ranks(_restore, base, 2, tmp_path=tmp_path / "w2b") == ["step-2", "step-2"]
