@@ -386,7 +386,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
     )
     isolate = (not args.quick) if args.isolate is None else args.isolate
     timeout = args.timeout or (300.0 if args.quick else 3600.0)
-    return Plan(scenarios, options, isolate, timeout, side_by_side=args.quick)
+    return Plan(scenarios, options, isolate, timeout, side_by_side=args.quick and not isolate)
 
 
 def _jobs(plan: Plan) -> list[list[Scenario]]:
