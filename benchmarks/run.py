@@ -1,6 +1,6 @@
 """Benchmark CLI: every contender on the same workloads, interleaved, in one invocation.
 
-    python -m benchmarks.run --quick                 # CI smoke run, well under a minute
+    python -m benchmarks.run --quick                 # CI smoke run, ~1.5 min on 2 cores
     python -m benchmarks.run --out benchmarks/results/cpu-2core   # the default set (~10 min)
     python -m benchmarks.run --full ...              # adds the 8 GB synthetic scenario
     python -m benchmarks.run --device cuda ...       # same harness on a GPU
@@ -43,9 +43,9 @@ from benchmarks.scenarios import RunOptions, Scenario  # noqa: E402
 from benchmarks.workloads import SyntheticSpec  # noqa: E402
 
 QUICK = {
-    "synthetic": "24MB:mixed,8MB:small",
-    "small_cache": "24MB:mixed",
-    "two_ranks": "16MB:mixed",
+    "synthetic": "8MB:mixed,4MB:small",
+    "small_cache": "8MB:mixed",
+    "two_ranks": "8MB:mixed",
     "gpt": "tiny",
     "ckpt_every": "1,2",
     "iters": 2,
@@ -54,10 +54,10 @@ QUICK = {
     "saves": 2,
     "disk_probe": "64MiB",
     "mlp": "tiny",
-    "mlp_iters": 12,
-    "mlp_ckpt_every": 6,
+    "mlp_iters": 4,
+    "mlp_ckpt_every": 2,
     "mlp_rounds": 1,
-    "memory": "32MiB",
+    "memory": "16MiB",
     "memory_states": "mixed",
 }
 DEFAULT = {
@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare dcp_datastates with torch.save, DCP, DCP async and torchsnapshot.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (CI)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, 1 repeat, jobs and child processes side by side: a smoke run "
+        "whose timings are not for comparison (CI)",
+    )
     p.add_argument("--full", action="store_true", help=f"add the {FULL_EXTRA} synthetic scenario")
     p.add_argument("--out", help="output directory (default benchmarks/results/tmp/<time>)")
     p.add_argument("--dir", help="checkpoint root (default: a fresh temp dir under /tmp)")
@@ -190,6 +195,7 @@ class Plan:
     options: RunOptions
     isolate: bool
     timeout: float
+    side_by_side: bool = False  # start every job at once (--quick: no timing is compared)
 
 
 def make_plan(args: argparse.Namespace, root: str) -> Plan:
@@ -317,6 +323,7 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
                 contenders=mlp_names,
                 repeats=int(pick("mlp_rounds", "mlp_rounds")),
                 mlp_preset=mlp_preset,
+                mlp_parallel=2 if args.quick else 1,
                 ckpt_every=k,
                 iters=n,
                 warmup=2,
@@ -379,27 +386,27 @@ def make_plan(args: argparse.Namespace, root: str) -> Plan:
     )
     isolate = (not args.quick) if args.isolate is None else args.isolate
     timeout = args.timeout or (300.0 if args.quick else 3600.0)
-    return Plan(scenarios, options, isolate, timeout)
+    return Plan(scenarios, options, isolate, timeout, side_by_side=args.quick and not isolate)
 
 
 def _jobs(plan: Plan) -> list[list[Scenario]]:
-    """Group scenarios into worker jobs (same world size, unless isolated)."""
+    """Group scenarios into worker jobs: unless isolated, every single-rank scenario shares one
+    job (one process start, one torch import); each multi-rank scenario is a job of its own."""
     jobs: list[list[Scenario]] = []
+    single: list[Scenario] | None = None
     for s in plan.scenarios:
-        if (
-            not plan.isolate
-            and jobs
-            and jobs[-1][0].world_size == s.world_size
-            and s.world_size == 1
-        ):
-            jobs[-1].append(s)
-        else:
+        if plan.isolate or s.world_size != 1:
             jobs.append([s])
+        elif single is None:
+            single = [s]
+            jobs.append(single)
+        else:
+            single.append(s)
     return jobs
 
 
-def run_job(plan: Plan, job: list[Scenario], job_dir: str) -> dict[str, str]:
-    """Spawn the ranks of one job and wait; returns {scenario: error} for failures."""
+def start_job(plan: Plan, job: list[Scenario], job_dir: str) -> list[mp.process.BaseProcess]:
+    """Spawn the ranks of one job; :func:`wait_job` waits for them."""
     from benchmarks.worker import worker_entry
 
     os.makedirs(job_dir, exist_ok=True)
@@ -426,7 +433,14 @@ def run_job(plan: Plan, job: list[Scenario], job_dir: str) -> dict[str, str]:
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + plan.timeout
+    return procs
+
+
+def wait_job(
+    plan: Plan, job: list[Scenario], procs: list[mp.process.BaseProcess], started: float
+) -> dict[str, str]:
+    """Wait for a job's ranks (started at monotonic ``started``); {scenario: error} on failure."""
+    deadline = started + plan.timeout
     failed_at: float | None = None
     while any(p.is_alive() for p in procs):
         time.sleep(0.2)
@@ -546,14 +560,24 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": [],
     }
     raw: dict[str, Any] = {}
+    done: dict[str, dict[str, Any]] = {}
     try:
-        for i, job in enumerate(_jobs(plan)):
-            names = ", ".join(s.name for s in job)
-            print(f"== job {i}: {names}", flush=True)
-            job_dir = os.path.join(root, "results", f"job{i}")
-            t_job = time.monotonic()
-            failures = run_job(plan, job, job_dir)
-            print(f"   done in {time.monotonic() - t_job:.1f} s", flush=True)
+        jobs = _jobs(plan)
+        job_dirs = [os.path.join(root, "results", f"job{i}") for i in range(len(jobs))]
+        running: dict[int, tuple[float, list[mp.process.BaseProcess]]] = {}
+        if plan.side_by_side:  # every job started now, each waited for below
+            for i, job in enumerate(jobs):
+                print(f"== job {i} started: {', '.join(s.name for s in job)}", flush=True)
+                running[i] = (time.monotonic(), start_job(plan, job, job_dirs[i]))
+        for i, job in enumerate(jobs):
+            job_dir = job_dirs[i]
+            if i in running:
+                t_job, procs = running[i]
+            else:
+                print(f"== job {i}: {', '.join(s.name for s in job)}", flush=True)
+                t_job, procs = time.monotonic(), start_job(plan, job, job_dir)
+            failures = wait_job(plan, job, procs, t_job)
+            print(f"   job {i} done, {time.monotonic() - t_job:.1f} s after its start", flush=True)
             for scn in job:
                 per_rank = _load_rank_results(job_dir, scn)
                 if per_rank is None:
@@ -561,15 +585,15 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     summary = summarize_scenario(scn.kind, per_rank, scn.to_json())
                     raw[scn.name] = per_rank
-                results["scenarios"].append(
-                    {
-                        "name": scn.name,
-                        "kind": scn.kind,
-                        "description": scn.description,
-                        "scenario": scn.to_json(),
-                        "summary": summary,
-                    }
-                )
+                done[scn.name] = {
+                    "name": scn.name,
+                    "kind": scn.kind,
+                    "description": scn.description,
+                    "scenario": scn.to_json(),
+                    "summary": summary,
+                }
+        # in the order of the plan, whichever job ran each scenario
+        results["scenarios"] = [done[s.name] for s in plan.scenarios]
     finally:
         if own_root and not args.keep_checkpoints:
             shutil.rmtree(root, ignore_errors=True)

@@ -83,6 +83,7 @@ class Scenario:
     memory_bytes: int = 0  # kind "memory": size of the mixed state
     memory_states: str = "mixed,bigtensor"  # kind "memory": comma list
     memory_parallel: int = 1  # kind "memory": rows measured at once (VmHWM is per process)
+    mlp_parallel: int = 1  # kind "mlp": contender processes run at once (1: timings mean something)
     description: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -542,8 +543,8 @@ def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
         # (benchmarks.disk.measure_write_tax): the floor of every asynchronous contender here.
         probe_s = 2.0 if cfg.state_bytes() >= 256 * 1024**2 else 0.3  # --quick stays quick
         out["write_tax"].append(measure_write_tax(base, cfg.state_bytes(), threads, probe_s))
-        for name in _rotate(active, rep):
-            spec = MLPRunSpec(
+        specs = [
+            MLPRunSpec(
                 contender=name,
                 preset=scn.mlp_preset,
                 iters=scn.iters,
@@ -558,12 +559,24 @@ def run_mlp_loop(scn: Scenario, opts: RunOptions, env: Env) -> dict[str, Any]:
                 verify_first=rep == 0 and name != NONE,
                 rep=rep,
             )
-            print(f"   {scn.name} round {rep}: {name}", flush=True)
+            for name in _rotate(active, rep)
+        ]
+
+        def one(spec: MLPRunSpec, rep: int = rep) -> dict[str, Any]:
+            print(f"   {scn.name} round {rep}: {spec.contender}", flush=True)
             with contention(opts.contend):
-                run = run_in_child(
-                    spec, os.path.join(base, f"{name}.rep{rep}.json"), MLP_CHILD_TIMEOUT_S
+                return run_in_child(
+                    spec,
+                    os.path.join(base, f"{spec.contender}.rep{rep}.json"),
+                    MLP_CHILD_TIMEOUT_S,
                 )
-            _record(out, name, run)
+
+        # side by side only on request (--quick: a smoke run, its timings not compared)
+        workers = 1 if opts.contend else max(1, scn.mlp_parallel)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            runs = list(pool.map(one, specs))
+        for spec, run in zip(specs, runs, strict=True):
+            _record(out, spec.contender, run)
     return out
 
 

@@ -14,11 +14,13 @@ interleaved, one JSON object printed (or written with --out):
   optimizer's ``step()``, whose wait for the copies is reported as ``barrier_s``).
 
     python -m benchmarks.small_tensors --n 100000 --out small.json
+    python -m benchmarks.small_tensors --n 300 --n-async 200 --saves 2 --parallel 2  # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-async", type=int, default=20_000, help="tensors in the async_save case")
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="measurements run at once (above 1: a smoke run, times not comparable)")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -120,13 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("save", c, a.n, "flat") for c in ("stock", "datastates")]
     runs += [("async", c, a.n_async, shape) for shape in ("flat", "nested", "owned")
              for c in ("stock", "datastates")]
-    for kind, contender, n, shape in runs:
+
+    def one(run: tuple[str, str, int, str]) -> dict[str, Any]:
+        kind, contender, n, shape = run
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
             cmd = [sys.executable, os.path.abspath(__file__), "--saves", str(a.saves),
                    "--child", kind, contender, str(n), shape, d]
             r = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            results.append(json.loads(r.stdout.strip().splitlines()[-1]))
-            print(json.dumps(results[-1]), file=sys.stderr)
+            res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+            print(json.dumps(res), file=sys.stderr)
+            return res
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.parallel)) as pool:
+        results += pool.map(one, runs)
     s = {r["contender"]: r for r in results if r["kind"] == "save"}
     summary = {
         "save_time_ratio": s["datastates"]["save_s"] / s["stock"]["save_s"],

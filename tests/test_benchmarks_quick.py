@@ -360,7 +360,7 @@ def test_small_tensors_runs_every_shape(tmp_path: Path) -> None:
     out = tmp_path / "small.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "small_tensors.py"), "--n", "300",
-         "--n-async", "200", "--saves", "2", "--out", str(out)],
+         "--n-async", "200", "--saves", "2", "--parallel", "2", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,  # the installed package
         env={**os.environ, "BENCH_DIR": str(tmp_path)},
     )

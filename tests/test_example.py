@@ -56,26 +56,52 @@ def _block_numpy(where: Path) -> Path:
     return where
 
 
+class _Run:
+    """A command started in ``cwd`` with :func:`_env`; :meth:`output` asserts it exited 0."""
+
+    def __init__(self, cmd: list[str], cwd: Path, no_numpy: Path | None, what: str) -> None:
+        self.what = what
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=_env(no_numpy),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def output(self, timeout: float) -> str:
+        """Waits at most ``timeout`` seconds; returns stdout + stderr of a run that exited 0."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+            raise AssertionError(f"{self.what} ran past {timeout:.0f} s:\n{out}") from None
+        assert self.proc.returncode == 0, f"{self.what} failed ({self.proc.returncode}):\n{out}"
+        return out
+
+    def kill(self) -> None:
+        """Ends the run if it is still going (a test that failed before waiting for it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
 def _run_ok(cmd: list[str], cwd: Path, no_numpy: Path | None, timeout: float, what: str) -> str:
     """Runs ``cmd`` in ``cwd`` with :func:`_env`; asserts exit 0; returns stdout + stderr."""
-    proc = subprocess.run(
-        cmd,
-        cwd=cwd,
-        env=_env(no_numpy),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{out}"
-    return out
+    return _Run(cmd, cwd, no_numpy, what).output(timeout)
+
+
+def start_example(tmp_path: Path, *args: str, no_numpy: bool = False) -> _Run:
+    """Starts the example (the machine's second core runs it beside another)."""
+    cmd = [sys.executable, str(EXAMPLE), "--size", "tiny", *args]
+    no_np = tmp_path / "no-numpy" if no_numpy else None
+    return _Run(cmd, tmp_path, no_np, what="example")
 
 
 def run_example(tmp_path: Path, *args: str, no_numpy: bool = False) -> str:
-    cmd = [sys.executable, str(EXAMPLE), "--size", "tiny", *args]
-    no_np = tmp_path / "no-numpy" if no_numpy else None
-    return _run_ok(cmd, tmp_path, no_np, timeout=120, what="example")
+    return start_example(tmp_path, *args, no_numpy=no_numpy).output(timeout=120)
 
 
 def final_of(out: str) -> tuple[str, str, str]:
@@ -102,7 +128,14 @@ def variant(request: pytest.FixtureRequest) -> list[str]:
 def test_stop_and_resume_is_bit_identical(tmp_path: Path, variant: list[str]) -> None:
     common = ["--steps", "8", "--ckpt-every", "2", "--keep-last", "2", *variant]
 
-    straight = run_example(tmp_path, *common, "--ckpt-dir", "straight")
+    # the uninterrupted run and the one that crashes are independent: run them side by side
+    straight_run = start_example(tmp_path, *common, "--ckpt-dir", "straight")
+    crashed_run = start_example(tmp_path, *common, "--ckpt-dir", "resumed", "--stop-after", "6")
+    try:
+        straight = straight_run.output(timeout=180)
+        crashed = crashed_run.output(timeout=180)
+    finally:
+        crashed_run.kill()
     assert "resumed from" not in straight
     assert straight.count("[ckpt] step-") == 4
     assert len(CKPT_LINE_RE.findall(straight)) == 4, straight
@@ -115,7 +148,6 @@ def test_stop_and_resume_is_bit_identical(tmp_path: Path, variant: list[str]) ->
     # confirmed checkpoint (a save is confirmed before the next one starts) and latest
     # points at it; a --sync save is durable (and latest moved) before the crash
     expect = 6 if "--sync" in variant else 4
-    crashed = run_example(tmp_path, *common, "--ckpt-dir", "resumed", "--stop-after", "6")
     assert "simulated crash after step 6" in crashed
     assert FINAL_RE.search(crashed) is None
     root = tmp_path / "resumed"
