@@ -117,6 +117,14 @@ def _copy_of(saved: Path, tmp_path: Path) -> str:
     return str(tmp_path / "fast")
 
 
+def _lose_node1(saved: Path, tmp_path: Path) -> tuple[str, Path]:
+    """A copy of the saved tree with node1 lost; its base, and node0's replica of step-2."""
+    base = _copy_of(saved, tmp_path)
+    shutil.rmtree(tmp_path / "fast" / "node1")
+    area = tmp_path / "fast" / "node0" / ".datastates-replicas"
+    return base, next(p for p in area.iterdir() if p.name.startswith("step-2."))
+
+
 def test_node_loss_restores_newest_step_from_replica(
     tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
 ) -> None:
@@ -145,10 +153,7 @@ def test_node_loss_restores_newest_step_from_replica(
 def test_incomplete_replica_is_never_used(
     tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
 ) -> None:
-    base = _copy_of(saved_two_steps[0], tmp_path)
-    shutil.rmtree(tmp_path / "fast" / "node1")
-    area = tmp_path / "fast" / "node0" / ".datastates-replicas"
-    newest = next(p for p in area.iterdir() if p.name.startswith("step-2."))
+    base, newest = _lose_node1(saved_two_steps[0], tmp_path)
     (newest / ".done-3").unlink()  # rank 3's copy never completed: step-2 cannot be rebuilt
     assert run_ranks(_restore, base, 1, tmp_path=tmp_path / "w2") == ["step-1", "step-1"]
     # step-2 on the replacement node was never made to look complete
@@ -255,10 +260,7 @@ def _restore_verified(rank: int, world: int, base: str) -> str:
 def test_damaged_replica_is_caught_by_verify(
     tmp_path: Path, saved_two_steps: tuple[Path, list[Any]]
 ) -> None:
-    base = _copy_of(saved_two_steps[0], tmp_path)
-    shutil.rmtree(tmp_path / "fast" / "node1")
-    area = tmp_path / "fast" / "node0" / ".datastates-replicas"
-    newest = next(p for p in area.iterdir() if p.name.startswith("step-2."))
+    base, newest = _lose_node1(saved_two_steps[0], tmp_path)
     victim = next(newest.glob("__3_*.distcp"))
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # one flipped byte in rank 3's data, as held by node0
@@ -295,3 +297,18 @@ def test_failed_rebuild_can_be_retried(
     assert not (tmp_path / "fast" / "node0" / "step-2" / ".metadata").exists()
     (tmp_path / "fast" / "node1" / "step-2").unlink()
     assert run_ranks(_restore, base, 2, tmp_path=tmp_path / "w2b") == ["step-2", "step-2"]
+
+
+def test_forked_child_does_not_replicate() -> None:
+    """A DataLoader-style fork: the child's submit is a no-op (no thread, nothing pending), the
+    parent's replicator is untouched."""
+    from dcp_datastates.lifecycle.replicas import ReplicaRequest, Replicator
+
+    rep = Replicator(group=None, timeout_s=1.0)  # type: ignore[arg-type]  # never used here
+    pid = os.fork()
+    if pid == 0:
+        rep.submit(ReplicaRequest("/nowhere/step-1", 0, None, 1))
+        os._exit(0 if rep._thread is None and rep.wait(0) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert rep._thread is None and rep.wait(0)

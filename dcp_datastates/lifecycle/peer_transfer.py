@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..format.commit import fsync_dir
+
 CHUNK_BYTES = 64 * 1024 * 1024
 
 
@@ -141,11 +143,7 @@ class _Stream:
                     os.fsync(fd)
                     os.close(self._fds.pop(i))
                     os.replace(self._tmp(i), os.path.join(self.edge.target, f.name))
-                dfd = os.open(self.edge.target, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                fsync_dir(self.edge.target)
             except OSError as e:
                 self.error = f"writing into {self.edge.target} on rank {self.edge.dst}: {e}"
         self.close()

@@ -41,7 +41,6 @@ import contextlib
 import datetime
 import json
 import os
-import pickle
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DataStatesError
-from ..format.verify import verify_checkpoint
+from ..format.commit import MANIFEST_PREFIX, fsync_dir
+from ..format.verify import load_metadata, verify_checkpoint
 from .checkpoints import INCOMPLETE_MARKER, METADATA_FILE, parse_step, update_latest
 from .peer_transfer import Edge, FileSpan, exchange
 from .replicas import DONE_PREFIX, REPLICA_DIR, ROUND_FILE, manifest_save_id, node_key
@@ -87,12 +87,14 @@ class _Node:
 
 
 def _meta_id(path: str) -> str | None:
+    """The commit id ``.metadata`` at ``path`` records; None if it cannot be read (a damaged
+    ``.metadata`` belongs to no commit)."""
     try:
         with open(path, "rb") as f:
-            md = pickle.load(f)
-        return getattr(getattr(md, "storage_meta", None), "save_id", None)
-    except Exception:  # noqa: BLE001 - a damaged .metadata belongs to no commit
+            md = load_metadata(f.read())
+    except (OSError, ValueError):
         return None
+    return getattr(getattr(md, "storage_meta", None), "save_id", None)
 
 
 def _list_own(root: str) -> dict[str, _Own]:
@@ -105,9 +107,9 @@ def _list_own(root: str) -> dict[str, _Own]:
                  if os.path.isfile(os.path.join(d, f))}
         ids = {}
         for f in files:
-            if f.startswith("__datastates_manifest_") and f.endswith(".json"):
+            if f.startswith(MANIFEST_PREFIX) and f.endswith(".json"):
                 with contextlib.suppress(ValueError):
-                    ids[int(f[len("__datastates_manifest_"):-5])] = manifest_save_id(
+                    ids[int(f[len(MANIFEST_PREFIX):-5])] = manifest_save_id(
                         os.path.join(d, f))
         if METADATA_FILE not in files and _META_IN in files:  # set aside by a failed rebuild
             files[METADATA_FILE] = files[_META_IN]
@@ -220,7 +222,7 @@ def _prepare(node: _Node, doc: dict[str, Any], keep: set[str], links: list[str])
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, INCOMPLETE_MARKER), "a"):
         pass
-    _fsync_dir(d)
+    fsync_dir(d)
     for f in sorted(os.listdir(d)):
         full = os.path.join(d, f)
         if f == METADATA_FILE:
@@ -228,7 +230,7 @@ def _prepare(node: _Node, doc: dict[str, Any], keep: set[str], links: list[str])
                 os.replace(full, os.path.join(d, _META_IN))  # in place again last
             else:
                 os.unlink(full)
-        elif f not in keep and (f.endswith(".distcp") or f.startswith("__datastates_manifest_")):
+        elif f not in keep and (f.endswith(".distcp") or f.startswith(MANIFEST_PREFIX)):
             os.unlink(full)  # another save's, or the round's from a save that did not commit
     for src in links:
         f = os.path.basename(src)
@@ -241,15 +243,7 @@ def _prepare(node: _Node, doc: dict[str, Any], keep: set[str], links: list[str])
         except OSError:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-    _fsync_dir(d)
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(d)
 
 
 def _commit(node: _Node, doc: dict[str, Any], verify: bool) -> None:
@@ -260,16 +254,16 @@ def _commit(node: _Node, doc: dict[str, Any], verify: bool) -> None:
     if missing or not os.path.exists(os.path.join(d, _META_IN)):
         raise DataStatesError(f"{d} still lacks {missing or [METADATA_FILE]}")
     os.replace(os.path.join(d, _META_IN), os.path.join(d, METADATA_FILE))
-    _fsync_dir(d)
+    fsync_dir(d)
     if verify:
         report = verify_checkpoint(d)
         if not report.ok:
             os.replace(os.path.join(d, METADATA_FILE), os.path.join(d, _META_IN))
-            _fsync_dir(d)
+            fsync_dir(d)
             raise DataStatesError(f"{d} rebuilt from replicas fails verification: "
                                   f"{report.summary()}")
     os.unlink(os.path.join(d, INCOMPLETE_MARKER))
-    _fsync_dir(d)
+    fsync_dir(d)
     update_latest(node.root, doc["name"])
 
 

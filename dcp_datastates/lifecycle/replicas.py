@@ -63,7 +63,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..format.commit import manifest_name
+from ..format.commit import fsync_dir, manifest_name
 from .checkpoints import METADATA_FILE, parse_step
 from .peer_transfer import Edge, FileSpan, exchange
 
@@ -347,11 +347,7 @@ def _mark_done(target: str, rank: int) -> None:
     path = os.path.join(target, f"{DONE_PREFIX}{rank}")
     with open(path, "w") as f:
         os.fsync(f.fileno())
-    fd = os.open(target, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(target)
 
 
 def _prune(area: str, name: str, keep_id: str) -> None:
