@@ -185,8 +185,12 @@ def test_barrier_boosts_idle_copy_threads_and_lowers_them_again(
         pytest.skip("no /proc")
     model, opt = _model_and_opt()
     w: DataStatesWriter = writer_factory(host_cache_size="16MiB", chunk_size="64KiB")
-    time.sleep(0.05)  # the copy threads have started and named themselves
     SCHED_IDLE = 5
+    deadline = time.monotonic() + 10.0  # the copy threads start, name and lower themselves
+    while not (_copy_policies() and set(_copy_policies()) == {SCHED_IDLE}):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     assert _copy_policies() and set(_copy_policies()) == {SCHED_IDLE}
     before = w.engine.counters()
     if os.geteuid() == 0:  # root may leave SCHED_IDLE
