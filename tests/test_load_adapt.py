@@ -161,8 +161,12 @@ def test_meter_sees_another_process_busy(monkeypatch: pytest.MonkeyPatch) -> Non
     assert load.own_cores < 0.5, load  # this process slept
 
 
+_EARLIER: set[str] = set()  # copy threads of writers made before the test's own
+
+
 def _copy_policies() -> list[int]:
-    """Scheduling policy (proc(5) field 41) of this process's dcpds-copy threads."""
+    """Scheduling policy (proc(5) field 41) of this process's dcpds-copy threads, but those of
+    writers that earlier tests left to the collector (``_EARLIER``)."""
     out = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -171,7 +175,7 @@ def _copy_policies() -> list[int]:
         except OSError:
             continue
         name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        if name.startswith("dcpds-copy"):
+        if name.startswith("dcpds-copy") and tid not in _EARLIER:
             out.append(int(stat[stat.rfind(")") + 2 :].split()[38]))
     return out
 
@@ -183,6 +187,8 @@ def test_barrier_boosts_idle_copy_threads_and_lowers_them_again(
     (where the OS allows it) and puts them back afterwards; the snapshot stays exact."""
     if not os.path.exists("/proc/self/task"):
         pytest.skip("no /proc")
+    _EARLIER.clear()
+    _EARLIER.update(os.listdir("/proc/self/task"))
     model, opt = _model_and_opt()
     w: DataStatesWriter = writer_factory(host_cache_size="16MiB", chunk_size="64KiB")
     SCHED_IDLE = 5
