@@ -14,6 +14,7 @@
 #include <string>
 
 #include "../engine/crc32c.hpp"
+#include "../engine/device_reader.hpp"
 #include "../engine/engine.hpp"
 #include "../engine/error.hpp"
 #include "../engine/guarded_copy.hpp"
@@ -126,13 +127,29 @@ PYBIND11_MODULE(_core, m) {
           return dcpds::crc32c(crc, reinterpret_cast<const void*>(address), bytes);
         },
         py::arg("address"), py::arg("bytes"), py::arg("crc") = 0);
+  py::class_<dcpds::DeviceStaging>(m, "DeviceStaging")
+      .def(py::init<const std::string&, int, std::size_t, std::size_t, bool>(),
+           py::arg("cuda_runtime"), py::arg("device"), py::arg("slots"), py::arg("slot_bytes"),
+           py::arg("batch_copies") = true,
+           "Page-locked staging for reads into device memory: slots x slot_bytes of host memory "
+           "registered with the CUDA runtime at cuda_runtime (csrc/engine/device_reader.hpp).")
+      .def_property_readonly("device", &dcpds::DeviceStaging::device)
+      .def_property_readonly("slots", &dcpds::DeviceStaging::slots)
+      .def_property_readonly("slot_bytes", &dcpds::DeviceStaging::slot_bytes)
+      .def_property_readonly("pinned", &dcpds::DeviceStaging::pinned)
+      .def_property_readonly("pin_error", &dcpds::DeviceStaging::pin_error)
+      .def_property_readonly("batch_error", [](const dcpds::DeviceStaging& st) {
+        return st.runtime().batch_unavailable_reason();
+      });
+
   m.def(
       "read_spans",
       [](const std::vector<std::string>& paths, const std::vector<std::uint32_t>& files,
          const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& lengths,
          const std::vector<std::uintptr_t>& dsts, const std::vector<std::int64_t>& crcs,
          const std::vector<std::string>& names, const std::vector<std::uint32_t>& name_of,
-         int threads, bool o_direct, std::size_t block_bytes) {
+         int threads, bool o_direct, std::size_t block_bytes,
+         const dcpds::DeviceStaging* staging) {
         const std::size_t n = files.size();
         if (offsets.size() != n || lengths.size() != n || dsts.size() != n || crcs.size() != n ||
             name_of.size() != n)
@@ -147,7 +164,10 @@ PYBIND11_MODULE(_core, m) {
         dcpds::ReadStats st;
         {
           py::gil_scoped_release nogil;
-          st = dcpds::ParallelReader(o).read(paths, spans, names);
+          if (staging != nullptr)
+            st = dcpds::DeviceReader(*staging, o).read(paths, spans, names);
+          else
+            st = dcpds::ParallelReader(o).read(paths, spans, names);
         }
         py::dict d;
         d["bytes"] = st.bytes;
@@ -155,14 +175,21 @@ PYBIND11_MODULE(_core, m) {
         d["verified_bytes"] = st.verified_bytes;
         d["pieces"] = st.pieces;
         d["threads"] = st.threads;
+        d["preads"] = st.preads;
+        d["copy_calls"] = st.copy_calls;
+        d["batch_calls"] = st.batch_calls;
+        d["batch_copies"] = st.batch_copies;
         return d;
       },
       py::arg("paths"), py::arg("files"), py::arg("offsets"), py::arg("lengths"), py::arg("dsts"),
       py::arg("crcs"), py::arg("names"), py::arg("name_of"), py::arg("threads") = 4,
       py::arg("o_direct") = true, py::arg("block_bytes") = 8u << 20,
+      py::arg("staging") = nullptr,
       "Reads span i = (paths[files[i]], offsets[i], lengths[i]) to address dsts[i] with parallel "
       "preads (O_DIRECT where possible), verifying CRC-32C crcs[i] (-1: none) in the same pass; "
-      "errors name names[name_of[i]] and the path (csrc/engine/reader.hpp). Releases the GIL.");
+      "errors name names[name_of[i]] and the path (csrc/engine/reader.hpp). With a staging "
+      "(DeviceStaging) the dsts are device addresses on its device, reached through it "
+      "(csrc/engine/device_reader.hpp). Releases the GIL.");
   m.def("set_write_fault", &dcpds::set_write_fault, py::arg("path_substring"), py::arg("errno"),
         "Test hook: writes to paths containing the substring fail with errno (\"\" disables).");
 

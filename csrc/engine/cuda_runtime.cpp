@@ -7,6 +7,7 @@
 namespace dcpds {
 namespace {
 
+constexpr int kMemcpyHostToDevice = 1;
 constexpr int kMemcpyDeviceToHost = 2;
 constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kEventBlockingSync = 1;
@@ -174,9 +175,27 @@ void CudaRuntime::memcpy_d2h_async(void* dst, const void* src, std::size_t bytes
   check(memcpy_async_(dst, src, bytes, kMemcpyDeviceToHost, s), "cudaMemcpyAsync (device to host)");
 }
 
+void CudaRuntime::memcpy_h2d_async(void* dst, const void* src, std::size_t bytes, Stream s) const {
+  check(memcpy_async_(dst, src, bytes, kMemcpyHostToDevice, s), "cudaMemcpyAsync (host to device)");
+}
+
 bool CudaRuntime::memcpy_d2h_batch(void* const* dsts, void* const* srcs,
                                    const std::size_t* sizes, std::size_t count, Stream s,
                                    std::size_t* fail_index) const {
+  return memcpy_batch(dsts, srcs, sizes, count, s, fail_index,
+                      "cudaMemcpyBatchAsync (device to host)");
+}
+
+bool CudaRuntime::memcpy_h2d_batch(void* const* dsts, void* const* srcs,
+                                   const std::size_t* sizes, std::size_t count, Stream s,
+                                   std::size_t* fail_index) const {
+  return memcpy_batch(dsts, srcs, sizes, count, s, fail_index,
+                      "cudaMemcpyBatchAsync (host to device)");
+}
+
+bool CudaRuntime::memcpy_batch(void* const* dsts, void* const* srcs, const std::size_t* sizes,
+                               std::size_t count, Stream s, std::size_t* fail_index,
+                               const char* what) const {
   *fail_index = kNoIndex;
   DCPDS_CHECK(batch_available(), "cudaMemcpyBatchAsync is not available");
   if (count == 0) return true;
@@ -203,7 +222,7 @@ bool CudaRuntime::memcpy_d2h_batch(void* const* dsts, void* const* srcs,
     *fail_index = kNoIndex;
     return false;
   }
-  check(status, "cudaMemcpyBatchAsync (device to host)");
+  check(status, what);
   return true;
 }
 

@@ -13,7 +13,7 @@
 // surface as a spurious failure of the next kernel on the training thread. The noexcept teardown
 // calls (destroy, unregister) ignore their errors the same way.
 // Optional entry points: cudaRuntimeGetVersion and cudaMemcpyBatchAsync are looked up too, and
-// their absence only means copies are issued one by one (memcpy_d2h_batch).
+// their absence only means copies are issued one by one (memcpy_d2h_batch, memcpy_h2d_batch).
 // Testing: any library exporting these entry points with CUDA's semantics can be loaded instead;
 // tests/cuda_sim/simcudart.cpp is such a stand-in, used to run the engine's CUDA path on CPU.
 #pragma once
@@ -56,6 +56,7 @@ class CudaRuntime {
   void record_event(Event e, Stream s) const;
   void synchronize_event(Event e) const;
   void memcpy_d2h_async(void* dst, const void* src, std::size_t bytes, Stream s) const;
+  void memcpy_h2d_async(void* dst, const void* src, std::size_t bytes, Stream s) const;
 
   // Batched copies (cudaMemcpyBatchAsync, CUDA 12.8+): `count` device-to-host copies queued on
   // `s` in one call, in stream order as a whole (after everything queued on `s` before; the
@@ -80,12 +81,17 @@ class CudaRuntime {
   // (srcs are only read; they are not const because the runtime's prototype has them so.)
   bool memcpy_d2h_batch(void* const* dsts, void* const* srcs, const std::size_t* sizes,
                         std::size_t count, Stream s, std::size_t* fail_index) const;
+  // The same, host to device (the restore's staging to its targets).
+  bool memcpy_h2d_batch(void* const* dsts, void* const* srcs, const std::size_t* sizes,
+                        std::size_t count, Stream s, std::size_t* fail_index) const;
   int runtime_version() const { return version_; }  // 0 when the runtime cannot tell
 
   const std::string& library_path() const { return path_; }
 
  private:
   void check(int status, const char* what) const;
+  bool memcpy_batch(void* const* dsts, void* const* srcs, const std::size_t* sizes,
+                    std::size_t count, Stream s, std::size_t* fail_index, const char* what) const;
 
   std::string path_;
   void* handle_ = nullptr;

@@ -17,31 +17,18 @@
 
 #include "crc32c.hpp"
 #include "error.hpp"
+#include "read_io.hpp"
 
 namespace dcpds {
 namespace {
 
-constexpr std::size_t kAlign = 4096;          // O_DIRECT alignment of offsets, sizes, buffers
+using read_io::kAlign;
+using read_io::Piece;
+using read_io::pread_full;
+using read_io::range_text;
+
 constexpr std::size_t kCrcBlock = 256u << 10; // checksum (and copy) granularity: stays in cache
 constexpr std::size_t kBufferedRead = 1u << 20;
-
-struct Piece {
-  std::uint32_t span;
-  std::uint64_t span_offset;  // where the piece starts inside its span
-  std::uint64_t bytes;
-};
-
-// One file of a read: a buffered descriptor, and an O_DIRECT one while the file system takes it.
-struct OpenFile {
-  std::string path;
-  int fd = -1;
-  int fd_direct = -1;
-  std::atomic<bool> direct_ok{false};
-  ~OpenFile() {
-    if (fd >= 0) ::close(fd);
-    if (fd_direct >= 0) ::close(fd_direct);
-  }
-};
 
 struct FreeDeleter {
   void operator()(std::uint8_t* p) const { std::free(p); }
@@ -53,35 +40,6 @@ AlignedBuffer aligned_buffer(std::size_t bytes) {
   if (::posix_memalign(&p, kAlign, bytes) != 0 || p == nullptr)
     DCPDS_CHECK(false, "cannot allocate a read buffer of " + std::to_string(bytes) + " bytes");
   return AlignedBuffer(static_cast<std::uint8_t*>(p));
-}
-
-std::string range_text(std::uint64_t a, std::uint64_t b) {
-  return "bytes [" + std::to_string(a) + ", " + std::to_string(b) + ")";
-}
-
-std::string hex32(std::uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "0x%08x", v);
-  return buf;
-}
-
-// Reads up to `bytes` at `offset` (retrying EINTR and short reads). Returns the bytes read (fewer
-// only at end of file) or -errno.
-long long pread_full(int fd, std::uint8_t* dst, std::size_t bytes, std::uint64_t offset,
-                     bool direct) {
-  std::size_t got = 0;
-  while (got < bytes) {
-    const ssize_t r = ::pread(fd, dst + got, bytes - got, static_cast<off_t>(offset + got));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -static_cast<long long>(errno);
-    }
-    if (r == 0) break;
-    got += static_cast<std::size_t>(r);
-    // An O_DIRECT read that stops short of an aligned boundary has met the end of the file.
-    if (direct && got % kAlign != 0) break;
-  }
-  return static_cast<long long>(got);
 }
 
 }  // namespace
@@ -96,49 +54,13 @@ ReadStats ParallelReader::read(const std::vector<std::string>& paths,
                                const std::vector<ReadSpan>& spans,
                                const std::vector<std::string>& names) const {
   ReadStats stats;
-  for (const ReadSpan& s : spans) {
-    DCPDS_CHECK(s.file < paths.size(), "read span names file " + std::to_string(s.file) +
-                                           " of " + std::to_string(paths.size()));
-    DCPDS_CHECK(s.name < names.size(), "read span names an unknown item");
-    DCPDS_CHECK(s.bytes == 0 || s.dst != 0, "'" + names[s.name] + "': null destination");
-  }
-
-  // Open the files that are read.
-  std::vector<std::unique_ptr<OpenFile>> files(paths.size());
-  for (const ReadSpan& s : spans) {
-    if (files[s.file]) continue;
-    auto f = std::make_unique<OpenFile>();
-    f->path = paths[s.file];
-    f->fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0)
-      DCPDS_CHECK(false, errno_message("'" + names[s.name] + "': cannot open " + f->path, errno));
-#ifdef O_DIRECT
-    if (options_.o_direct) {
-      f->fd_direct = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-      f->direct_ok.store(f->fd_direct >= 0);
-    }
-#endif
-    files[s.file] = std::move(f);
-  }
+  read_io::check_spans(paths, spans, names);
+  read_io::OpenFiles files = read_io::open_files(paths, spans, names, options_.o_direct);
 
   // Split the spans into pieces; a span's pieces are consecutive.
   const std::size_t block = options_.block_bytes;
-  std::vector<Piece> pieces;
-  std::vector<std::size_t> first_piece(spans.size() + 1, 0);
-  for (std::uint32_t i = 0; i < spans.size(); ++i) {
-    first_piece[i] = pieces.size();
-    const ReadSpan& s = spans[i];
-    std::uint64_t pos = 0;
-    while (pos < s.bytes) {
-      // Cut at block boundaries of the file, so that aligned spans give aligned pieces.
-      const std::uint64_t file_pos = s.offset + pos;
-      const std::uint64_t next = (file_pos / block + 1) * block;
-      const std::uint64_t n = std::min<std::uint64_t>(next - file_pos, s.bytes - pos);
-      pieces.push_back(Piece{i, pos, n});
-      pos += n;
-    }
-  }
-  first_piece[spans.size()] = pieces.size();
+  std::vector<std::size_t> first_piece;
+  const std::vector<Piece> pieces = read_io::split_pieces(spans, block, first_piece);
   std::vector<std::uint32_t> crcs(pieces.size(), 0);
 
   std::atomic<std::size_t> next{0};
@@ -161,14 +83,13 @@ ReadStats ParallelReader::read(const std::vector<std::string>& paths,
         if (pi >= pieces.size()) return;
         const Piece& p = pieces[pi];
         const ReadSpan& s = spans[p.span];
-        OpenFile& f = *files[s.file];
+        read_io::OpenFile& f = *files[s.file];
         const std::uint64_t off = s.offset + p.span_offset;
         const std::uint64_t end = off + p.bytes;
         auto* dst = reinterpret_cast<std::uint8_t*>(s.dst) + p.span_offset;
         auto truncated = [&](long long got_to) {
-          return "'" + names[s.name] + "': " + f.path + " ends at byte " + std::to_string(got_to) +
-                 ", inside its data (" + range_text(s.offset, s.offset + s.bytes) +
-                 "): the file is truncated";
+          return read_io::truncated_message(names[s.name], f.path, got_to, s.offset,
+                                            s.offset + s.bytes);
         };
         std::uint32_t crc = 0;
         bool done = false;
@@ -242,22 +163,8 @@ ReadStats ParallelReader::read(const std::vector<std::string>& paths,
   if (!error.empty()) DCPDS_CHECK(false, error);
 
   // Checksums: combine each span's pieces, in order, and compare.
-  for (std::uint32_t i = 0; i < spans.size(); ++i) {
-    const ReadSpan& s = spans[i];
-    stats.bytes += s.bytes;
-    if (s.crc < 0) continue;
-    std::uint32_t crc = 0;
-    for (std::size_t pi = first_piece[i]; pi < first_piece[i + 1]; ++pi)
-      crc = pi == first_piece[i] ? crcs[pi] : crc32c_combine(crc, crcs[pi], pieces[pi].bytes);
-    const auto expected = static_cast<std::uint32_t>(s.crc);
-    if (crc != expected) {
-      DCPDS_CHECK(false, "checksum mismatch in '" + names[s.name] + "' (" + paths[s.file] + ", " +
-                             range_text(s.offset, s.offset + s.bytes) + "): the manifest records " +
-                             hex32(expected) + ", the file holds " + hex32(crc) +
-                             ": the checkpoint is damaged");
-    }
-    stats.verified_bytes += s.bytes;
-  }
+  for (const ReadSpan& s : spans) stats.bytes += s.bytes;
+  stats.verified_bytes = read_io::verify_crcs(paths, spans, names, pieces, first_piece, crcs);
   stats.direct_bytes = direct_bytes.load();
   stats.pieces = pieces.size();
   stats.threads = std::max(nthreads, 1);

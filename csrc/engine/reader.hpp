@@ -50,6 +50,11 @@ struct ReadStats {
   std::uint64_t verified_bytes = 0; // of which covered by a checked CRC
   std::uint64_t pieces = 0;
   int threads = 0;                  // threads actually started
+  // Reads into device memory (DeviceReader) only:
+  std::uint64_t preads = 0;         // pread() calls (adjacent pieces are read in one)
+  std::uint64_t copy_calls = 0;     // cudaMemcpyAsync calls (host to device)
+  std::uint64_t batch_calls = 0;    // cudaMemcpyBatchAsync calls
+  std::uint64_t batch_copies = 0;   // copies queued by them
 };
 
 class ParallelReader {

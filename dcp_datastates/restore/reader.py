@@ -91,6 +91,8 @@ from ..format.manifest import ItemRecord, RankManifest
 from ..format.refcheck import OwnerChecks, may_be_rewritten, reference_error
 from ..format.refs import is_reference_path, relative_path
 from ..runtime.gcpause import ProtocolPause
+from .device import DeviceTargets, device_of
+from .device import enabled as device_path_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,7 @@ class _Chunk:
     dst: torch.Tensor | None = None  # filled by the read: the target itself or a temporary
     direct: bool = False  # dst is the (only) request's target
     target: torch.Tensor | None = None  # reqs[0]'s resolved target, once resolved
+    device: int | None = None  # direct into this CUDA device's memory (the device path)
 
 
 class DataStatesReader(FileSystemReader):
@@ -137,6 +140,8 @@ class DataStatesReader(FileSystemReader):
         buffer_size: bound on the temporary tensors of resharded or converted items (bytes,
             or a size string such as ``"256MiB"``).
         block_size: largest single read.
+        device_reads: read whole, contiguous CUDA targets straight into device memory through
+            pinned staging (:mod:`dcp_datastates.restore.device`); False: through temporaries.
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class DataStatesReader(FileSystemReader):
         verify: bool = True,
         buffer_size: int | str = "256MiB",
         block_size: int | str = "8MiB",
+        device_reads: bool = True,
     ) -> None:
         super().__init__(path)
         if threads < 1:
@@ -157,6 +163,8 @@ class DataStatesReader(FileSystemReader):
         self.verify = verify
         self.buffer_bytes = parse_size(buffer_size)
         self.block_bytes = parse_size(block_size)
+        self.device_reads = device_reads
+        self._device: DeviceTargets | None = None  # the device path of the running read_data
         self._records: dict[_Key, ItemRecord] = {}
         self._checksummed: set[_Key] = set()
         self._metadata: Metadata | None = None
@@ -165,8 +173,10 @@ class DataStatesReader(FileSystemReader):
         self._memory_fs: bool | None = None  # memory_backed(path), once asked
         self._native_stats: dict[str, int] = {}
         #: What the last ``read_data`` did: items read natively / by the stock path, bytes read
-        #: natively, of which through ``O_DIRECT`` and checksum-verified, and whether the
-        #: checkpoint was on a memory file system (1) or not (0).
+        #: natively, of which through ``O_DIRECT``, checksum-verified and straight into device
+        #: memory (``device_bytes``, with ``device_copy_calls`` / ``device_batch_calls``: the
+        #: copy calls that carried them), and whether the checkpoint was on a memory file system
+        #: (1) or not (0).
         self.last_read: dict[str, int] = {}
 
     # -- StorageReader protocol ---------------------------------------------------------------
@@ -245,7 +255,8 @@ class DataStatesReader(FileSystemReader):
             super().read_data(LoadPlan(rest, plan.storage_data), marking).wait()
         for req, rec in byte_items:
             self._read_bytes(req, rec, planner)
-        self._native_stats = {"direct_bytes": 0, "verified_bytes": 0}
+        self._native_stats = {"direct_bytes": 0, "verified_bytes": 0, "device_bytes": 0,
+                              "device_copy_calls": 0, "device_batch_calls": 0}
         nbytes = self._read_tensors(list(native.values()), planner)
         self.last_read = {
             "native_items": sum(len(c.reqs) for c in native.values()) + len(byte_items),
@@ -393,11 +404,16 @@ class DataStatesReader(FileSystemReader):
         synchronized before this returns.
         """
         devices: set[torch.device] = set()  # targets of asynchronous copies
+        if self.device_reads and device_path_enabled():
+            self._device = DeviceTargets(self._read_options()[0], self.buffer_bytes)
         try:
             return self._read_pipelined(self._batches(chunks, planner), planner, devices)
         finally:
             for device in devices:
                 torch.cuda.synchronize(device)
+            if self._device is not None:
+                self._device.close()  # (after the helper thread is joined)
+                self._device = None
 
     def _batches(self, chunks: list[_Chunk], planner: LoadPlanner) -> Iterator[list[_Chunk]]:
         """Resolves each chunk's destination and yields the chunks in batches, lazily: reads
@@ -466,31 +482,51 @@ class DataStatesReader(FileSystemReader):
             ch.dst = torch.empty(ch.rec.shape, dtype=ch.dtype)
 
     def _choose_destination(self, ch: _Chunk, planner: LoadPlanner) -> None:
-        """Reads straight into the target when one request wants the whole chunk as it is."""
+        """Reads straight into the target when one request wants the whole chunk as it is: a
+        CPU target, or a CUDA target through the device path (its device's staging)."""
         if len(ch.reqs) != 1:
             return
         req = ch.reqs[0]
         if any(o != 0 for o in req.storage_offsets) or list(req.lengths) != ch.rec.shape:
             return
         target = planner.resolve_tensor(req).detach()
-        if (
-            target.is_cpu
-            and target.dtype == ch.dtype
+        plain = (
+            target.dtype == ch.dtype
             and list(target.shape) == ch.rec.shape
             and target.is_contiguous()
             and not target.is_conj()
             and not target.is_neg()
             and target.layout == torch.strided
-        ):
-            mark_modified(target)  # before the read lands in it (lazy saves see the change)
-            ch.dst = target
-            ch.direct = True
-        else:
+        )
+        device = device_of(target) if plain and self._device is not None else None
+        if device is not None and self._device is not None \
+                and self._device.staging(device) is not None:
+            ch.device = device
+        elif not (plain and target.is_cpu):
             ch.target = target  # resolved once: _deliver copies into it
+            return
+        mark_modified(target)  # before the read lands in it (lazy saves see the change)
+        ch.dst = target
+        ch.direct = True
 
     def _read_batch(self, batch: list[_Chunk]) -> int:
         """Reads a batch's payloads into their destinations (native, GIL released); returns
-        the bytes read. Runs in this thread or the pipeline's helper."""
+        the bytes read. Runs in this thread or the pipeline's helper. Chunks read into device
+        memory go through their device's staging, one native read per device."""
+        by_device: dict[int | None, list[_Chunk]] = {}
+        for ch in batch:
+            by_device.setdefault(ch.device, []).append(ch)
+        nbytes = 0
+        for device, chunks in by_device.items():
+            staging = None
+            if device is not None:
+                assert self._device is not None
+                staging = self._device.staging(device)
+            nbytes += self._read_spans(chunks, staging)
+        return nbytes
+
+    def _read_spans(self, batch: list[_Chunk], staging: _core.DeviceStaging | None) -> int:
+        """One native read of the chunks' manifest chunks (CRC-32C checked where recorded)."""
         root = os.fspath(self.path)
         paths: list[str] = []
         path_ids: dict[str, int] = {}
@@ -527,21 +563,30 @@ class DataStatesReader(FileSystemReader):
                 dsts.append(base + rel)
                 crcs.append(crc if checked else -1)
                 name_of.append(len(names) - 1)
-        nbytes = 0
-        if files:
-            try:
-                threads, o_direct, block = self._read_options()
-                st = _core.read_spans(paths, files, offsets, lengths, dsts, crcs, names, name_of,
-                                      threads, o_direct, block)
-            except _core.EngineError as e:
-                msg = str(e)
-                if "checksum mismatch" in msg or "truncated" in msg:
-                    raise IntegrityError(f"{root}: {msg}") from None
-                raise OSError(f"{root}: {msg}") from None
-            nbytes = int(st["bytes"])
-            for k in self._native_stats:  # one batch at a time: no lock needed
-                self._native_stats[k] += int(st[k])
-        return nbytes
+        if not files:
+            return 0
+        try:
+            threads, o_direct, block = self._read_options()
+            if staging is not None:
+                block = self.block_bytes  # pieces fill the staging slots; preads are <= 1 MiB
+            st = _core.read_spans(paths, files, offsets, lengths, dsts, crcs, names, name_of,
+                                  threads, o_direct, block, staging)
+        except _core.EngineError as e:
+            msg = str(e)
+            if "checksum mismatch" in msg or "truncated" in msg:
+                raise IntegrityError(f"{root}: {msg}") from None
+            raise OSError(f"{root}: {msg}") from None
+        self._count(st, staging is not None)
+        return int(st["bytes"])
+
+    def _count(self, st: dict[str, int], device: bool) -> None:
+        """Adds one native read's figures to the load's (one batch at a time: no lock)."""
+        for k in ("direct_bytes", "verified_bytes"):
+            self._native_stats[k] += int(st[k])
+        if device:
+            self._native_stats["device_bytes"] += int(st["bytes"])
+            self._native_stats["device_copy_calls"] += int(st["copy_calls"])
+            self._native_stats["device_batch_calls"] += int(st["batch_calls"])
 
     @property
     def memory_fs(self) -> bool:

@@ -11,8 +11,10 @@
 //   - cudaEventRecord enqueues a marker; the event completes when the work queued before it on
 //     that stream is done. cudaEventSynchronize / cudaStreamWaitEvent wait for the record most
 //     recent at the time of the call; an event never recorded counts as complete;
-//   - cudaMemcpyAsync copies when its turn comes; into memory that is not registered (pageable)
-//     it returns only once the copy is done, as CUDA does for device-to-host copies;
+//   - cudaMemcpyAsync copies when its turn comes; into memory that is not registered (pageable,
+//     device to host) or out of it (host to device) it returns only once the copy is done (CUDA
+//     returns once the pageable side is no longer needed); a batch copy is pinned when either
+//     end is registered;
 //   - cudaHostRegister / cudaHostUnregister keep the registered ranges (overlaps are refused);
 //   - handles are validated: an unknown or destroyed stream or event is
 //     cudaErrorInvalidResourceHandle, and counted;
@@ -465,10 +467,13 @@ int cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, int kind, voi
   if (kind < 0 || kind > 4) return set_error(kInvalidMemcpyDirection);
   if (bytes == 0) return kSuccess;
   if (dst == nullptr || src == nullptr) return set_error(kInvalidValue);
-  const bool pageable = !registered_locked(reinterpret_cast<std::uintptr_t>(dst), bytes);
+  // The host side of the copy: the destination device to host, the source host to device.
+  const void* host = kind == 1 ? src : dst;
+  const bool pageable = !registered_locked(reinterpret_cast<std::uintptr_t>(host), bytes);
   auto done = enqueue_copy_locked(s, dst, src, bytes, pageable);
-  // Device-to-host into pageable memory: the call returns once the copy is done.
-  if (pageable && kind == 2) {
+  // Device to host into pageable memory, host to device from it: the call returns once the copy
+  // is done (CUDA returns once a pageable source is consumed; done is a safe model of that).
+  if (pageable && (kind == 2 || kind == 1)) {
     g_cv.wait(lock, [&] { return *done; });
     return set_error(g_sticky);
   }
@@ -516,7 +521,10 @@ int memcpy_batch(void** dsts, void** srcs, std::size_t* sizes, std::size_t count
   bool pageable = false;
   for (std::size_t i = 0; i < count; ++i) {
     if (sizes[i] != 0 && (dsts[i] == nullptr || srcs[i] == nullptr)) return fail(kInvalidValue, i);
-    pageable = pageable || !registered_locked(reinterpret_cast<std::uintptr_t>(dsts[i]), sizes[i]);
+    // Either end registered: a pinned copy (device memory is never registered here).
+    pageable = pageable ||
+               (!registered_locked(reinterpret_cast<std::uintptr_t>(dsts[i]), sizes[i]) &&
+                !registered_locked(reinterpret_cast<std::uintptr_t>(srcs[i]), sizes[i]));
   }
   std::vector<std::shared_ptr<bool>> done;
   for (std::size_t i = 0; i < count; ++i)

@@ -1,0 +1,111 @@
+"""Restore into GPU tensors at the link's speed: the reader's device path.
+
+A chunk whose load target is a whole, contiguous CUDA tensor of the saved dtype and shape is read
+by the native :class:`~dcp_datastates._core` ``DeviceReader`` (``csrc/engine/device_reader.hpp``)
+straight into the tensor's device memory: ``pread``s into page-locked staging slots, each slot
+copied to the device asynchronously on the reader's own streams while the next is filled, many
+small tensors packed into one slot (one read, one copy call or one ``cudaMemcpyBatchAsync`` per
+slot). From a memory tier (``/dev/shm``) or the page cache the reads and the DMA overlap; no
+temporary tensor is made and torch's caching host allocator is not used.
+
+:class:`DeviceTargets` holds, for one ``read_data``, one staging per device (``slots`` of
+``slot_bytes``, two slots per reader thread, registered once with the CUDA runtime torch loaded)
+and decides which targets take this path.
+
+Ordering: before the first read into a device, everything queued on it is waited for
+(``torch.cuda.synchronize``: a kernel still writing or reading a target must not race the
+copies, which run on streams of their own); the native read returns only once its copies are
+complete, so the targets hold the checkpoint's bytes when ``read_data`` returns.
+
+Failures: a device whose staging cannot be set up (no CUDA runtime loaded, registration or
+stream errors) is logged once and its targets take the generic path (pinned temporaries and
+``copy_``); a failing read raises like any native read (``OSError`` / ``IntegrityError``
+naming the tensor and file, or the CUDA error naming the tensor). ``DCPDS_NO_DEVICE_READ=1``
+turns the path off; ``DCPDS_NO_CUDA_BATCH=1`` keeps the copies one call each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .. import _core
+from ..engine import loaded_cuda_runtime
+
+logger = logging.getLogger(__name__)
+
+# Largest staging slot; a read thread owns two (one filled while the other is copied).
+SLOT_BYTES = 8 << 20
+MIN_SLOT_BYTES = 1 << 20
+
+
+def device_of(t: torch.Tensor) -> int | None:
+    """The CUDA device index of ``t``, or None for a tensor that is not on a CUDA device."""
+    if t.is_cuda:
+        return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return None
+
+
+def settle_device(device: int) -> None:
+    """Waits for everything queued on ``device`` (before its targets are written)."""
+    torch.cuda.synchronize(device)
+
+
+def enabled() -> bool:
+    """Whether device reads are on (``DCPDS_NO_DEVICE_READ`` not set to 1)."""
+    return os.environ.get("DCPDS_NO_DEVICE_READ", "0") != "1"
+
+
+class DeviceTargets:
+    """The device path of one ``read_data``: a staging per device, made on first use.
+
+    Args:
+        threads: reader threads per device read (two staging slots each).
+        buffer_bytes: bound on one device's staging (slots of at most SLOT_BYTES, at least
+            MIN_SLOT_BYTES).
+
+    Threads: :meth:`staging` is called from the caller's thread; the stagings are used by the
+    read helper thread, one read at a time. :meth:`close` drops them once no read runs.
+    """
+
+    def __init__(self, threads: int, buffer_bytes: int) -> None:
+        self.threads = max(1, threads)
+        per_slot = buffer_bytes // (2 * self.threads)
+        self.slot_bytes = max(MIN_SLOT_BYTES, min(SLOT_BYTES, per_slot))
+        self._stagings: dict[int, _core.DeviceStaging | None] = {}
+        self.device_bytes = 0
+
+    def staging(self, device: int) -> _core.DeviceStaging | None:
+        """The staging of ``device`` (made, and the device settled, on first use); None when it
+        cannot be had (the reason is logged once)."""
+        if device in self._stagings:
+            return self._stagings[device]
+        staging: _core.DeviceStaging | None = None
+        runtime = loaded_cuda_runtime()
+        if not runtime:
+            logger.warning("device reads: no CUDA runtime is loaded in this process; reading "
+                           "through temporaries instead")
+        else:
+            try:
+                staging = _core.DeviceStaging(
+                    runtime, device, 2 * self.threads, self.slot_bytes,
+                    batch_copies=os.environ.get("DCPDS_NO_CUDA_BATCH", "0") != "1")
+            except (_core.EngineError, RuntimeError, OSError) as e:
+                logger.warning("device reads on device %d unavailable (%s); reading through "
+                               "temporaries instead", device, e)
+        if staging is not None:
+            if not staging.pinned:
+                logger.warning("device reads: staging could not be pinned, copies will be "
+                               "slower: %s", staging.pin_error)
+            settle_device(device)
+        self._stagings[device] = staging
+        return staging
+
+    def close(self) -> None:
+        """Drops the stagings (their memory is unregistered and freed)."""
+        self._stagings.clear()
+
+
+__all__ = ["DeviceTargets", "device_of", "enabled", "settle_device"]
