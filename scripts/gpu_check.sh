@@ -14,11 +14,16 @@
 #      (`large`, 0.21 s): end-to-end cost per checkpoint of the plain call against dcp.save,
 #      async_save + DefaultStager (pinned), plain async_save and (every 5th) torch.save,
 #   4. restore into GPU tensors from a cold page cache, our reader against the stock one,
+#   4b. restore into GPU tensors from /dev/shm (2GB:mixed and 2GB:large): the device path against
+#      the pinned host-to-device peak, the reader's temporaries and the stock reader
+#      (benchmarks/h2d_restore.py),
 #   5. a synthetic 1 GB save from GPU tensors: blocked and until-durable times.
 # Everything goes to $OUT (default ./gpu-out): log.txt and results.tgz. The whole run keeps to
 # GPU_CHECK_BUDGET_S seconds (default 540; give the device call a timeout of 590; run N took
-# ~400 s on an H200 before step 2b): each step gets at most what is left, and a failing step does not stop the
-# next. GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 dry-runs the commands here.
+# ~400 s on an H200 before steps 2b and 4b were added): each step gets at most what is left, in
+# the order 1, 2, 4b, 2b, 3, 4, 5 (the last ones are skipped when the time is spent), and a
+# failing step does not stop the next. GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 dry-runs the
+# commands here.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -82,7 +87,7 @@ if torch.cuda.is_available():
 print("libcudart:", loaded_cuda_runtime() or "(none mapped)")
 PY
 
-tests="test_gpu.py test_cuda_sim.py"
+tests="test_gpu.py test_cuda_sim.py test_device_read.py"
 [ "$QUICK" = "1" ] && tests="test_gpu.py"
 # shellcheck disable=SC2086
 step tests 170 bash -c "cd tests && $PY -m pytest -c ../pyproject.toml --rootdir .. -v -s \
@@ -94,6 +99,8 @@ if [ "$QUICK" = "1" ]; then
   gpt=(--gpt tiny --ckpt-every 2 --iters 4 --warmup 1 --repeats 1 --disk-probe 64MiB)
   gpt_k1=(--gpt tiny@b8 --ckpt-every 1 --iters 2 --warmup 1 --repeats 1 --disk-probe 64MiB)
   restore=(--total-mib 64 --tensor-mib 8 --rounds 1)
+  h2d=(--rounds 1 --dir "${TMPDIR:-/tmp}")
+  h2d_states="24MB:mixed"
   synth=(--synthetic 24MB:mixed --repeats 1 --disk-probe 64MiB)
   fsdp2=(--layers 4 --width 256 --batch 64 --iters 2 --ckpt-every 1)
 else
@@ -103,6 +110,8 @@ else
   # a step (1.6 s on an H200) longer than the flush of its 2.2 GB checkpoint (~1.5 s here)
   gpt_k1=(--gpt large@b128 --ckpt-every 1 --iters 6 --warmup 1 --repeats 1 --disk-probe 1GiB)
   restore=(--total-mib 2048 --tensor-mib 64 --rounds 2)
+  h2d=(--rounds 3 --dir /dev/shm)
+  h2d_states="2GB:mixed 2GB:large"
   synth=(--synthetic 1GB:mixed,512MB:large --repeats 1 --saves 2 --disk-probe 1GiB)
   fsdp2=(--layers 40 --width 4096 --batch 8192 --iters 6 --ckpt-every 3 --budget-s 120)
 fi
@@ -111,6 +120,16 @@ mkdir -p "$WORK/results"
 for st in $d2h_states; do
   step "d2h-$st" 60 "$PY" -m benchmarks.d2h --device "$DEV" --state "$st" "${d2h[@]}" \
     --out "$WORK/results/d2h-${st//:/-}.json"
+done
+for st in $h2d_states; do
+  step "h2d-$st" 70 "$PY" -m benchmarks.h2d_restore --device "$DEV" --state "$st" "${h2d[@]}" \
+    --out "$WORK/results/h2d-${st//:/-}.json"
+done
+for f in "$WORK"/results/h2d-*.json; do
+  [ -f "$f" ] && "$PY" -c 'import json, sys; d = json.load(open(sys.argv[1]))
+print("h2d", d["tensors"], "tensors:", {k: round(v, 3) for k, v in d["x_pinned_h2d"].items()},
+      {k: round(v, 2) for k, v in d["gb_per_s"].items()}, "GB/s", d["errors"],
+      d["last_read"].get("datastates"))' "$f"
 done
 step fsdp2 160 "$PY" -m benchmarks.fsdp2_train --device "$DEV" "${fsdp2[@]}" \
   --out "$WORK/results/fsdp2.json"

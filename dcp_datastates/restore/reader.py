@@ -31,9 +31,17 @@ rewritten by another writer since, the file long enough); a reference that fails
 :class:`~dcp_datastates.errors.IntegrityError` naming the keys, the owner and file, and what
 differs, and no target is written.
 
+Into GPU tensors (``device_reads``, on by default): a read item that is a whole saved chunk and
+whose target is a contiguous CUDA tensor of the same dtype is read straight into device memory
+by the native device path (:mod:`dcp_datastates.restore.device`): reads into page-locked staging
+slots overlapped with asynchronous host-to-device copies on the reader's own streams, many small
+tensors packed into one slot; from a memory file system, one thread per core (at most
+``DEVICE_MEMORY_THREADS``). The device is synchronized once before the first such read.
+
 Memory: a read item that is a whole saved chunk and whose target is a contiguous CPU tensor of
 the same dtype is read straight into the target. Other items (resharded parts, other dtypes,
-CUDA targets) are read into temporary CPU tensors in batches of at most ``buffer_size`` bytes
+CUDA targets off the device path) are read into temporary CPU tensors in batches of at most
+``buffer_size`` bytes
 (one chunk larger than that is read alone), then copied into their targets; while one batch is
 copied, the next is read, so at most two batches of temporaries exist. Temporaries of CUDA
 targets are pinned (page-locked) where possible and copied asynchronously in the current
@@ -112,6 +120,8 @@ MEMORY_BLOCK_BYTES = 1 << 20
 # File systems whose files live in memory: O_DIRECT means nothing there (tmpfs refuses it on
 # older kernels and, since Linux 6.6, accepts it and copies through the page cache more slowly).
 MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs"})
+# Reads into device memory from a memory file system: at most this many threads (one per core).
+DEVICE_MEMORY_THREADS = 16
 
 _Key = tuple[str, tuple[int, ...] | None]
 
@@ -405,7 +415,7 @@ class DataStatesReader(FileSystemReader):
         """
         devices: set[torch.device] = set()  # targets of asynchronous copies
         if self.device_reads and device_path_enabled():
-            self._device = DeviceTargets(self._read_options()[0], self.buffer_bytes)
+            self._device = DeviceTargets(self._device_threads(), self.buffer_bytes)
         try:
             return self._read_pipelined(self._batches(chunks, planner), planner, devices)
         finally:
@@ -567,8 +577,8 @@ class DataStatesReader(FileSystemReader):
             return 0
         try:
             threads, o_direct, block = self._read_options()
-            if staging is not None:
-                block = self.block_bytes  # pieces fill the staging slots; preads are <= 1 MiB
+            if staging is not None:  # pieces fill the staging slots; preads are <= 1 MiB
+                threads, block = staging.slots // 2, self.block_bytes
             st = _core.read_spans(paths, files, offsets, lengths, dsts, crcs, names, name_of,
                                   threads, o_direct, block, staging)
         except _core.EngineError as e:
@@ -607,6 +617,16 @@ class DataStatesReader(FileSystemReader):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         threads = min(self.threads, max(2, cores or os.cpu_count() or 2))
         return threads, False, min(self.block_bytes, MEMORY_BLOCK_BYTES)
+
+    def _device_threads(self) -> int:
+        """Threads of a read into device memory: as for host reads, except from a memory file
+        system, where each is a CPU copy into staging that the link outruns: one per core (at
+        most DEVICE_MEMORY_THREADS), however few ``threads`` asks for."""
+        threads = self._read_options()[0]
+        if not self.memory_fs:
+            return threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return max(threads, min(DEVICE_MEMORY_THREADS, cores or os.cpu_count() or 2))
 
     def _deliver_batch(
         self, batch: list[_Chunk], planner: LoadPlanner, devices: set[torch.device]
