@@ -289,6 +289,24 @@ def test_d2h_runs_every_contender_on_cpu(tmp_path: Path) -> None:
     assert res["bytes"] >= 8 * 10**6 * 0.99
 
 
+def test_h2d_restore_runs_every_contender_on_cpu(tmp_path: Path) -> None:
+    """benchmarks.h2d_restore (the GPU restore benchmark of scripts/gpu_check.sh) dry-run on
+    CPU targets: every contender timed and checked bit for bit, ratios to pinned_h2d."""
+    out = tmp_path / "h2d.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "h2d_restore.py"), "--device", "cpu",
+         "--state", "8MB:mixed", "--rounds", "2", "--dir", str(tmp_path), "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,  # the installed package
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = _strict_json(out)
+    assert res["errors"] == {}
+    assert set(res["times_s"]) == {"pinned_h2d", "datastates", "datastates_temporaries", "stock"}
+    assert all(len(v) == 2 and min(v) > 0 for v in res["times_s"].values())
+    assert res["x_pinned_h2d"]["pinned_h2d"] == 1.0
+    assert res["last_read"]["datastates"]["native_bytes"] == res["bytes"]
+
+
 def test_fsdp2_train_runs_every_contender_on_cpu(tmp_path: Path) -> None:
     """benchmarks.fsdp2_train (the GPU FSDP2 loop of scripts/gpu_check.sh) on a tiny CPU model
     over gloo: every contender ran, the figures are ratios to the run without checkpoints, the
