@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +314,47 @@ def test_forked_child_does_not_replicate() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert rep._thread is None and rep.wait(0)
+
+
+def _restore_exit_child(rank: int, world: int, base: str, mib: int) -> str | None:
+    """One rank per node after node 1 is lost: rebuild, then load both ranks' tensors."""
+    from replica_exit_child import state
+
+    from dcp_datastates import DataStatesReader, recover_from_replicas
+
+    path = recover_from_replicas(_node_root(base, rank, 1), timeout_s=60)
+    assert path is not None
+    want = {"model": {**state(0, mib)["model"], **state(1, mib)["model"]}}
+    got = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    dcp.load(got, storage_reader=DataStatesReader(path), process_group=dist.new_group(backend="gloo"))
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    return os.path.basename(path)
+
+
+@pytest.mark.parametrize("mode", ["drop", "close"])
+def test_writer_ended_without_waiting_exits_cleanly_with_complete_replicas(
+    tmp_path: Path, mode: str
+) -> None:
+    """Under torchrun, a writer dropped without close() (or closed without wait_replicated())
+    while its replica round runs: the processes exit normally (no abort from gloo operations
+    still in flight at interpreter exit), the round is finished first, and after node 1 is lost
+    the checkpoint is rebuilt from its replica bit for bit."""
+    mib = 32
+    base = tmp_path / "fast"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")) if p)}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).parent / "replica_exit_child.py"), str(base), str(mib), mode],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "terminate called" not in out, out[-4000:]
+    assert "rank 0 saved" in out and "rank 1 saved" in out
+    for node, peer in (("node0", 1), ("node1", 0)):
+        sets = list((base / node / ".datastates-replicas").iterdir())
+        assert len(sets) == 1 and (sets[0] / f".done-{peer}").exists(), (node, sets)
+    shutil.rmtree(base / "node1")
+    got = run_ranks(_restore_exit_child, str(base), mib, tmp_path=tmp_path / "w2")
+    assert got == ["step-1", "step-1"]

@@ -41,13 +41,19 @@ not written, so its partial replica is never used. A peer that does not answer w
 ``timeout_s`` leaves the group unusable: replication is then off for the rest of the process
 (logged); so does a round whose ranks describe different saves (a save that committed on some
 ranks only). Fork: a forked child does not replicate. Exit: the thread is a daemon and ``close()``
-does not wait for it: a round still running when the process exits is abandoned (its peers'
-round fails, nothing is marked complete); ``wait_replicated`` first to finish it.
+does not wait for it; at interpreter exit (``atexit``, also for a writer dropped without
+``close()``) the rounds still queued or running are waited for, at most ``timeout_s`` +
+``EXIT_MARGIN_S`` (a silent peer fails its round within ``timeout_s``), with a warning: a gloo
+operation still in flight while the interpreter tears down aborts the process ("terminate called
+without an active exception"). ``wait_replicated`` before exiting chooses when instead. A
+process killed meanwhile abandons its round: its peers' round fails, nothing is marked
+complete.
 Threads: ``submit`` is called by save threads and DCP's future callbacks; ``wait`` by anyone.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -73,6 +79,8 @@ REPLICA_DIR = ".datastates-replicas"
 ROUND_FILE = "round.json"
 DONE_PREFIX = ".done-"
 KEEP_ROUNDS = 2
+# At interpreter exit, rounds still running are waited for at most the replica timeout plus this.
+EXIT_MARGIN_S = 30.0
 _DATA_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _SID_RE = re.compile(rb'"save_id"\s*:\s*"([^"]*)"')
 
@@ -171,6 +179,7 @@ class Replicator:
                     target=self._run, name="dcp_datastates-replicas", daemon=True
                 )
                 self._thread.start()
+                atexit.register(self._at_exit)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits until every submitted round ended; False if ``timeout`` passed first."""
@@ -182,6 +191,22 @@ class Replicator:
                     return False
                 self._idle.wait(left)
         return True
+
+    def _at_exit(self) -> None:
+        """Interpreter exit: waits (bounded) for the rounds still queued or running (see the
+        module docstring); nothing in a forked child."""
+        if os.getpid() != self.pid:
+            return
+        with self._idle:
+            pending = self._pending
+        if not pending:
+            return
+        limit = self.timeout_s + EXIT_MARGIN_S
+        logger.warning(
+            "waiting for %d replica round(s) to end before the process exits (at most %.0f s; "
+            "writer.wait_replicated() before exiting chooses when)", pending, limit)
+        if not self.wait(limit):
+            logger.error("replica rounds still running after %.0f s at exit: abandoned", limit)
 
     def records(self) -> list[dict[str, Any]]:
         with self._lock:
