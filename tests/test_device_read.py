@@ -146,6 +146,34 @@ def test_small_and_large_payloads_land_exactly_in_few_calls(
     assert sim.registrations() == 0
 
 
+def test_aligned_runs_are_read_with_o_direct_where_the_file_system_takes_it(
+    sim: Sim, tmp_path: Path
+) -> None:
+    """Payloads starting at 4 KiB boundaries of the file (large ones do) go through O_DIRECT
+    (the last pread of a run reads up to the next boundary, into slot space no earlier piece
+    holds), the unaligned one through the page cache; bit for bit either way; o_direct off:
+    none. Skipped where the file system refuses O_DIRECT (tmpfs before Linux 6.6)."""
+    lay = Layout(tmp_path / "data", [1 << 20, (3 << 20) + 4096, 5000, 777], seed=13)
+    staging = _core.DeviceStaging(sim.path, 0, 4, 1 << 20)
+    chosen = [0, 1, 3]  # the last starts at an odd offset, apart from the others
+    st = lay.read(staging, spans=chosen)
+    lay.assert_landed(chosen)
+    if st["direct_bytes"] == 0:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert st["direct_bytes"] == (4 << 20) + 4096  # the two aligned payloads
+    assert st["verified_bytes"] == st["bytes"] == (4 << 20) + 4096 + 777
+    lay.device[:] = 0
+    base = lay.device.ctypes.data
+    st = _core.read_spans([str(lay.path)], [0] * 4, [s[0] for s in lay.spans],
+                          [s[1] for s in lay.spans], [base + s[2] for s in lay.spans],
+                          [s[3] for s in lay.spans], [s[4] for s in lay.spans], [0, 1, 2, 3],
+                          2, False, 8 << 20, staging)
+    lay.assert_landed()
+    assert st["direct_bytes"] == 0
+    del staging
+    assert_clean(sim)
+
+
 def test_a_slot_is_refilled_only_once_its_copies_ran(sim: Sim, tmp_path: Path) -> None:
     """One thread, two slots, copies 20 ms each: the third slot fill must wait for the first
     slot's copies (bit-exact data proves the order)."""

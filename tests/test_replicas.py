@@ -326,7 +326,8 @@ def _restore_exit_child(rank: int, world: int, base: str, mib: int) -> str | Non
     assert path is not None
     want = {"model": {**state(0, mib)["model"], **state(1, mib)["model"]}}
     got = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
-    dcp.load(got, storage_reader=DataStatesReader(path), process_group=dist.new_group(backend="gloo"))
+    pg = dist.new_group(backend="gloo")
+    dcp.load(got, storage_reader=DataStatesReader(path), process_group=pg)
     for k, v in want["model"].items():
         assert torch.equal(got["model"][k], v), k
     return os.path.basename(path)

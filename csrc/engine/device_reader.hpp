@@ -13,7 +13,9 @@
 // of the file), and consecutive pieces are grouped to fill a slot. A thread takes a group,
 // waits until the slot it fills next is no longer read by a copy (its event), reads the group
 // with one pread() per run of pieces adjacent in one file (at most 1 MiB each, the CRC-32C of
-// each piece taken right after, while in cache), then queues the copies on its own stream (runs
+// each piece taken right after, while in cache; through O_DIRECT when `o_direct`, the file
+// system takes it and the run starts 4 KiB-aligned, as large payloads do), then queues the
+// copies on its own stream (runs
 // adjacent in the device and in the slot become one copy; two or more go in one
 // cudaMemcpyBatchAsync where the runtime has it, else one cudaMemcpyAsync each) and records the
 // slot's event. Many small tensors thus cost one read and one call per slot, not one each.
@@ -76,8 +78,8 @@ class DeviceStaging {
 
 class DeviceReader {
  public:
-  // options.o_direct is ignored: device reads go through the page cache. options.threads is
-  // capped at staging.slots() / 2.
+  // options.threads is capped at staging.slots() / 2; options.o_direct: runs that start
+  // 4 KiB-aligned in the file are read with O_DIRECT where the file system takes it.
   DeviceReader(const DeviceStaging& staging, const ReaderOptions& options);
   // Reads every span (dst: a device address on the staging's device); see the file comment.
   ReadStats read(const std::vector<std::string>& paths, const std::vector<ReadSpan>& spans,
