@@ -16,7 +16,9 @@ each contender fills the same preallocated state on ``--device`` and waits for t
 * ``stock``: ``dcp.load`` with the stock ``FileSystemReader``.
 
 Every load is checked bit for bit (on the device). Prints (or writes with --out) one JSON object:
-times, medians, GB/s, each contender's ratio to ``pinned_h2d`` and the reader's ``last_read``.
+times, medians, GB/s, each contender's ratio to ``pinned_h2d``, the reader's ``last_read``, and
+for our reader the data phase alone (``read_data_s``: its ``read_data``, without DCP's planning,
+which grows with the number of tensors) with its ratio to ``pinned_h2d`` (``data_x_pinned_h2d``).
 ``--device cpu`` is a dry run (``pinned_h2d`` is then a plain host copy).
 
     python -m benchmarks.h2d_restore --device cuda --state 2GB:mixed --rounds 3
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     dest = {"model": {k: torch.empty_like(v, device=dev) for k, v in host.items()}}
     names = [c for c in a.contenders.split(",") if c]
     times: dict[str, list[float]] = {c: [] for c in names}
+    data_s: dict[str, list[float]] = {c: [] for c in names if c.startswith("datastates")}
     reads: dict[str, dict[str, int]] = {}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                     errors[name] = f"{type(e).__name__}: {e}"[:500]
                     continue
                 times[name].append(time.perf_counter() - t0)
+                if name in data_s:
+                    data_s[name].append(reads[name]["read_data_us"] / 1e6)
                 bad = [k for k, v in host.items() if not torch.equal(dest["model"][k].cpu(), v)]
                 if bad:
                     errors[name] = f"{len(bad)} tensors differ after the load, first '{bad[0]}'"
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": med,
         "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
         "x_pinned_h2d": {k: peak / v for k, v in med.items()} if peak else {},
+        "read_data_s": {k: statistics.median(v) for k, v in data_s.items() if v},
+        "data_x_pinned_h2d": {k: peak / statistics.median(v) for k, v in data_s.items()
+                              if v and peak},
         "last_read": reads,
         "errors": errors,
     }

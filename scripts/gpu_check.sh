@@ -128,7 +128,8 @@ done
 for f in "$WORK"/results/h2d-*.json; do
   [ -f "$f" ] && "$PY" -c 'import json, sys; d = json.load(open(sys.argv[1]))
 print("h2d", d["tensors"], "tensors:", {k: round(v, 3) for k, v in d["x_pinned_h2d"].items()},
-      {k: round(v, 2) for k, v in d["gb_per_s"].items()}, "GB/s", d["errors"],
+      {k: round(v, 2) for k, v in d["gb_per_s"].items()}, "GB/s; data phase",
+      {k: round(v, 3) for k, v in d["data_x_pinned_h2d"].items()}, d["errors"],
       d["last_read"].get("datastates"))' "$f"
 done
 step fsdp2 160 "$PY" -m benchmarks.fsdp2_train --device "$DEV" "${fsdp2[@]}" \

@@ -305,6 +305,7 @@ def test_h2d_restore_runs_every_contender_on_cpu(tmp_path: Path) -> None:
     assert all(len(v) == 2 and min(v) > 0 for v in res["times_s"].values())
     assert res["x_pinned_h2d"]["pinned_h2d"] == 1.0
     assert res["last_read"]["datastates"]["native_bytes"] == res["bytes"]
+    assert set(res["data_x_pinned_h2d"]) == {"datastates", "datastates_temporaries"}
 
 
 def test_fsdp2_train_runs_every_contender_on_cpu(tmp_path: Path) -> None:
