@@ -8,11 +8,12 @@ small tensors packed into one slot (one read, one copy call or one ``cudaMemcpyB
 slot). From a memory tier (``/dev/shm``) or the page cache the reads and the DMA overlap; no
 temporary tensor is made and torch's caching host allocator is not used.
 
-:class:`DeviceTargets` holds, for one ``read_data``, one staging per device (``slots`` of
-``slot_bytes``, two slots per reader thread, registered once with the CUDA runtime torch loaded)
-and decides which targets take this path.
+:class:`DeviceTargets` holds one staging per device (``slots`` of ``slot_bytes``, two slots per
+reader thread, registered once with the CUDA runtime torch loaded), made on first use and kept
+by its reader for the next load (freed with the reader: a restart's one load pays the
+allocation and registration once, tens of milliseconds for 256 MiB).
 
-Ordering: before the first read into a device, everything queued on it is waited for
+Ordering: at each load, before the first read into a device, everything queued on it is waited for
 (``torch.cuda.synchronize``: a kernel still writing or reading a target must not race the
 copies, which run on streams of their own); the native read returns only once its copies are
 complete, so the targets hold the checkpoint's bytes when ``read_data`` returns.
@@ -67,21 +68,30 @@ class DeviceTargets:
             MIN_SLOT_BYTES).
 
     Threads: :meth:`staging` is called from the caller's thread; the stagings are used by the
-    read helper thread, one read at a time. :meth:`close` drops them once no read runs.
+    read helper thread, one read at a time. One load at a time: :meth:`start_load` first.
     """
 
     def __init__(self, threads: int, buffer_bytes: int) -> None:
         self.threads = max(1, threads)
+        self.buffer_bytes = buffer_bytes
         per_slot = buffer_bytes // (2 * self.threads)
         self.slot_bytes = max(MIN_SLOT_BYTES, min(SLOT_BYTES, per_slot))
         self._stagings: dict[int, _core.DeviceStaging | None] = {}
-        self.device_bytes = 0
+        self._settled: set[int] = set()  # devices waited for in this load
+
+    def start_load(self) -> None:
+        """A new load: each device is settled again before its first read."""
+        self._settled.clear()
 
     def staging(self, device: int) -> _core.DeviceStaging | None:
-        """The staging of ``device`` (made, and the device settled, on first use); None when it
-        cannot be had (the reason is logged once)."""
+        """The staging of ``device`` (made on first use; the device settled once per load);
+        None when it cannot be had (the reason is logged once)."""
         if device in self._stagings:
-            return self._stagings[device]
+            kept = self._stagings[device]
+            if kept is not None and device not in self._settled:
+                settle_device(device)
+                self._settled.add(device)
+            return kept
         staging: _core.DeviceStaging | None = None
         runtime = loaded_cuda_runtime()
         if not runtime:
@@ -100,12 +110,9 @@ class DeviceTargets:
                 logger.warning("device reads: staging could not be pinned, copies will be "
                                "slower: %s", staging.pin_error)
             settle_device(device)
+            self._settled.add(device)
         self._stagings[device] = staging
         return staging
-
-    def close(self) -> None:
-        """Drops the stagings (their memory is unregistered and freed)."""
-        self._stagings.clear()
 
 
 __all__ = ["DeviceTargets", "device_of", "enabled", "settle_device"]

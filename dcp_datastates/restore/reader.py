@@ -176,6 +176,7 @@ class DataStatesReader(FileSystemReader):
         self.block_bytes = parse_size(block_size)
         self.device_reads = device_reads
         self._device: DeviceTargets | None = None  # the device path of the running read_data
+        self._device_kept: DeviceTargets | None = None  # its stagings, kept for the next load
         self._records: dict[_Key, ItemRecord] = {}
         self._checksummed: set[_Key] = set()
         self._metadata: Metadata | None = None
@@ -418,16 +419,20 @@ class DataStatesReader(FileSystemReader):
         synchronized before this returns.
         """
         devices: set[torch.device] = set()  # targets of asynchronous copies
+        self._device = None
         if self.device_reads and device_path_enabled():
-            self._device = DeviceTargets(self._device_threads(), self.buffer_bytes)
+            threads = self._device_threads()
+            kept = self._device_kept
+            if kept is None or kept.threads != threads or kept.buffer_bytes != self.buffer_bytes:
+                kept = self._device_kept = DeviceTargets(threads, self.buffer_bytes)
+            kept.start_load()
+            self._device = kept
         try:
             return self._read_pipelined(self._batches(chunks, planner), planner, devices)
         finally:
             for device in devices:
                 torch.cuda.synchronize(device)
-            if self._device is not None:
-                self._device.close()  # (after the helper thread is joined)
-                self._device = None
+            self._device = None
 
     def _batches(self, chunks: list[_Chunk], planner: LoadPlanner) -> Iterator[list[_Chunk]]:
         """Resolves each chunk's destination and yields the chunks in batches, lazily: reads
