@@ -414,6 +414,37 @@ def test_reader_reads_whole_targets_through_the_device_path(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_reader_mixes_device_and_host_targets_in_one_load(
+    device_path: Sim, tmp_path: Path, writer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half the targets "on the device", half on the host, interleaved in the same read
+    batches (small batches: many of them): each batch reads its host chunks natively and its
+    device chunks through the staging; every value exact; the device bytes are exactly the
+    device targets'."""
+    on_device: set[int] = set()
+    monkeypatch.setattr(reader_mod, "device_of",
+                        lambda t: 0 if t.data_ptr() in on_device else None)
+    monkeypatch.setattr(reader_mod, "FIRST_BATCH_BYTES", 64 << 10)
+    monkeypatch.setattr(reader_mod, "BATCH_BYTES", 256 << 10)
+    sd = _state(4)
+    dcp.save(sd, storage_writer=writer_factory(), checkpoint_id=str(tmp_path / "c"))
+    out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in sd.items()}
+    tensors = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+    on_device.update(out[k].data_ptr() for k in tensors[::2])
+    reader = DataStatesReader(tmp_path / "c")
+    dcp.load(out, storage_reader=reader)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v, k
+    want = sum(out[k].numel() * out[k].element_size() for k in tensors[::2])
+    assert reader.last_read["device_bytes"] == want
+    assert reader.last_read["native_bytes"] == sum(
+        out[k].numel() * out[k].element_size() for k in tensors)
+    del reader
+    gc.collect()
+    assert_clean(device_path)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_reader_device_path_off_and_resharded_items_take_temporaries(
     device_path: Sim, tmp_path: Path, writer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
