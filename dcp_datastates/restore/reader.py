@@ -41,9 +41,9 @@ tensors packed into one slot; from a memory file system, one thread per core (at
 Memory: a read item that is a whole saved chunk and whose target is a contiguous CPU tensor of
 the same dtype is read straight into the target. Other items (resharded parts, other dtypes,
 CUDA targets off the device path) are read into temporary CPU tensors in batches of at most
-``buffer_size`` bytes
-(one chunk larger than that is read alone), then copied into their targets; while one batch is
-copied, the next is read, so at most two batches of temporaries exist. Temporaries of CUDA
+``buffer_size`` bytes (one chunk larger than that is read alone), then copied into their
+targets; while one batch is copied, the next is read, so at most two batches of temporaries
+exist. Temporaries of CUDA
 targets are pinned (page-locked) where possible and copied asynchronously in the current
 stream's order; ``read_data`` synchronizes those devices before it returns.
 
@@ -517,9 +517,9 @@ class DataStatesReader(FileSystemReader):
             and not target.is_neg()
             and target.layout == torch.strided
         )
-        device = device_of(target) if plain and self._device is not None else None
-        if device is not None and self._device is not None \
-                and self._device.staging(device) is not None:
+        path = self._device
+        device = device_of(target) if plain and path is not None else None
+        if device is not None and path is not None and path.staging(device) is not None:
             ch.device = device
         elif not (plain and target.is_cpu):
             ch.target = target  # resolved once: _deliver copies into it
