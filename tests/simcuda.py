@@ -6,6 +6,7 @@ tests/test_device_read.py (the restore path into device memory)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import subprocess
@@ -191,7 +192,15 @@ def simcudart_nobatch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def sim(simcudart: Path) -> Iterator[Sim]:
-    s = Sim(simcudart)
+    yield from fresh_sim(simcudart)
+
+
+def fresh_sim(path: Path) -> Iterator[Sim]:
+    """A Sim of the stand-in at ``path``, reset before and after the test. Garbage of earlier
+    tests is collected first: an engine or staging freed only by the collector would otherwise
+    release its streams or registrations during this test, below the counts taken as its base."""
+    gc.collect()
+    s = Sim(path)
     s.reset()
     yield s
     s.reset()

@@ -12,6 +12,7 @@ device=0 or 1. What this proves and what only a GPU can is written in docs/archi
 # ruff: noqa: F811
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 from typing import Any
@@ -433,6 +434,7 @@ def sim_of_version(request: pytest.FixtureRequest, version: int) -> Sim:
     """A fresh stand-in reporting `version`: the CUDA 13 build for 13000 and later (its batch
     call has CUDA 13's prototype), else the default one. Reset again after the test."""
     lib = "simcudart13" if version >= CUDA13_BATCH else "simcudart"
+    gc.collect()  # see simcuda.fresh_sim
     s = Sim(request.getfixturevalue(lib))
     s.reset()
     request.addfinalizer(s.reset)

@@ -29,6 +29,7 @@ from simcuda import (  # noqa: F401
     INVALID_VALUE,
     OUT_OF_MEMORY,
     Sim,
+    fresh_sim,
     sim,
     simcudart,
     simcudart13,
@@ -109,10 +110,7 @@ def sim_of_version(request: pytest.FixtureRequest, version: int) -> Sim:
 
 @pytest.fixture
 def sim13(simcudart13: Path) -> Any:
-    s = Sim(simcudart13)
-    s.reset()
-    yield s
-    s.reset()
+    yield from fresh_sim(simcudart13)
 
 
 @pytest.mark.parametrize("version", [12040, CUDA12_BATCH, 13000])
