@@ -10,8 +10,8 @@ temporary tensor is made and torch's caching host allocator is not used.
 
 :class:`DeviceTargets` holds one staging per device (``slots`` of ``slot_bytes``, two slots per
 reader thread, registered once with the CUDA runtime torch loaded), made on first use and kept
-by its reader for the next load (freed with the reader: a restart's one load pays the
-allocation and registration once, tens of milliseconds for 256 MiB).
+by its reader for the next load (freed with the reader: the allocation and registration, which
+grow with the staging's size, are paid once per reader, not per load).
 
 Ordering: at each load, before the first read into a device, everything queued on it is waited for
 (``torch.cuda.synchronize``: a kernel still writing or reading a target must not race the
