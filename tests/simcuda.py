@@ -28,6 +28,9 @@ TIMEOUT_S = 30.0  # every wait is bounded: a regression fails instead of hanging
 INVALID_VALUE = 1
 OUT_OF_MEMORY = 2
 ILLEGAL_ADDRESS = 700
+NOT_SUPPORTED = 801
+# cudaRuntimeGetVersion values: the first with CUDA 12's cudaMemcpyBatchAsync, then CUDA 13's
+CUDA12_BATCH, CUDA13_BATCH = 12080, 13000
 
 
 class Sim:
@@ -192,18 +195,33 @@ def simcudart_nobatch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def sim(simcudart: Path) -> Iterator[Sim]:
-    yield from fresh_sim(simcudart)
+    s = new_sim(simcudart)
+    yield s
+    s.reset()
 
 
-def fresh_sim(path: Path) -> Iterator[Sim]:
-    """A Sim of the stand-in at ``path``, reset before and after the test. Garbage of earlier
-    tests is collected first: an engine or staging freed only by the collector would otherwise
-    release its streams or registrations during this test, below the counts taken as its base."""
+def new_sim(path: Path) -> Sim:
+    """A reset Sim of the stand-in at ``path``. Garbage of earlier tests is collected first: an
+    engine or staging freed only by the collector would otherwise release its streams or
+    registrations during this test, below the counts taken as its base."""
     gc.collect()
     s = Sim(path)
     s.reset()
-    yield s
-    s.reset()
+    return s
+
+
+def sim_of_version(request: pytest.FixtureRequest, version: int) -> Sim:
+    """A fresh stand-in reporting `version`: the CUDA 13 build for 13000 and later (its batch
+    call has CUDA 13's prototype), else the default one. Reset again after the test."""
+    lib = "simcudart13" if version >= CUDA13_BATCH else "simcudart"
+    s = new_sim(request.getfixturevalue(lib))
+    request.addfinalizer(s.reset)
+    s.runtime_version(version)
+    return s
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
 
 
 def make_engine(sim: Sim, cache: int = 1 << 20, chunk: int = 64 << 10, copy_threads: int = 2,

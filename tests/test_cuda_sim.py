@@ -12,7 +12,6 @@ device=0 or 1. What this proves and what only a GPU can is written in docs/archi
 # ruff: noqa: F811
 from __future__ import annotations
 
-import gc
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,20 @@ from conftest import captured_logs
 # The fixtures sim, simcudart, simcudart13 and simcudart_nobatch are imported from simcuda: test
 # parameters of those names use them (hence F811 off for this file).
 from simcuda import (  # noqa: F401
+    CUDA12_BATCH,
+    CUDA13_BATCH,
     ILLEGAL_ADDRESS,
     INVALID_VALUE,
+    NOT_SUPPORTED,
     OUT_OF_MEMORY,
     TIMEOUT_S,
     Sim,
     assert_released,
     close_within,
     make_engine,
+    pattern,
     sim,
+    sim_of_version,
     simcudart,
     simcudart13,
     simcudart_nobatch,
@@ -65,10 +69,6 @@ def assert_file(path: Path, offsets: list[int], expected: list[np.ndarray]) -> N
     raw = path.read_bytes()
     for off, a in zip(offsets, expected, strict=True):
         assert raw[off : off + a.nbytes] == a.tobytes()
-
-
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,22 +425,6 @@ def test_failed_job_counts_as_captured_only_after_its_copies_in_flight(sim: Sim)
 
 # ------------------------------------------------------------------------------------------------
 # Batched copies: cudaMemcpyBatchAsync where the runtime has it (CUDA 12.8+), else one by one.
-
-CUDA12_BATCH, CUDA13_BATCH = 12080, 13000
-NOT_SUPPORTED = 801
-
-
-def sim_of_version(request: pytest.FixtureRequest, version: int) -> Sim:
-    """A fresh stand-in reporting `version`: the CUDA 13 build for 13000 and later (its batch
-    call has CUDA 13's prototype), else the default one. Reset again after the test."""
-    lib = "simcudart13" if version >= CUDA13_BATCH else "simcudart"
-    gc.collect()  # see simcuda.fresh_sim
-    s = Sim(request.getfixturevalue(lib))
-    s.reset()
-    request.addfinalizer(s.reset)
-    s.runtime_version(version)
-    return s
-
 
 def small_tensors(sim: Sim, count: int, seed: int) -> tuple[int, int, list[np.ndarray],
                                                              list[np.ndarray], int]:

@@ -25,12 +25,15 @@ from conftest import captured_logs
 # The fixtures sim, simcudart and simcudart13 are imported from simcuda: test parameters of
 # those names use them (hence F811 off for this file).
 from simcuda import (  # noqa: F401
+    CUDA12_BATCH,
     ILLEGAL_ADDRESS,
     INVALID_VALUE,
+    NOT_SUPPORTED,
     OUT_OF_MEMORY,
     Sim,
-    fresh_sim,
+    pattern,
     sim,
+    sim_of_version,
     simcudart,
     simcudart13,
 )
@@ -38,13 +41,6 @@ from simcuda import (  # noqa: F401
 from dcp_datastates import DataStatesReader, _core
 from dcp_datastates.restore import device as device_mod
 from dcp_datastates.restore import reader as reader_mod
-
-NOT_SUPPORTED = 801
-CUDA12_BATCH = 12080
-
-
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 class Layout:
@@ -99,18 +95,6 @@ def assert_clean(sim: Sim, staging: Any = None) -> None:
     assert sim.engine_streams() == 0 and sim.engine_events() == 0
     assert sim.count("violations") == 0
     assert sim.last_error_peek() == 0
-
-
-def sim_of_version(request: pytest.FixtureRequest, version: int) -> Sim:
-    """The stand-in reporting `version` (13000: the CUDA 13 build, with its prototype)."""
-    s: Sim = request.getfixturevalue("sim" if version < 13000 else "sim13")
-    s.runtime_version(version)
-    return s
-
-
-@pytest.fixture
-def sim13(simcudart13: Path) -> Any:
-    yield from fresh_sim(simcudart13)
 
 
 @pytest.mark.parametrize("version", [12040, CUDA12_BATCH, 13000])

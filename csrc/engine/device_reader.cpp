@@ -1,8 +1,8 @@
 #include "device_reader.hpp"
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <system_error>
@@ -23,12 +23,10 @@ constexpr int kSlotsPerThread = 2;
 
 // What one read() shares among its threads.
 struct Shared {
-  Shared(const std::vector<std::string>& p, const std::vector<ReadSpan>& s,
-         const std::vector<std::string>& n, const read_io::OpenFiles& f,
-         const std::vector<Piece>& pc)
-      : paths(p), spans(s), names(n), files(f), pieces(pc), crcs(pc.size(), 0) {}
+  Shared(const std::vector<ReadSpan>& s, const std::vector<std::string>& n,
+         const read_io::OpenFiles& f, const std::vector<Piece>& pc)
+      : spans(s), names(n), files(f), pieces(pc), crcs(pc.size(), 0) {}
 
-  const std::vector<std::string>& paths;
   const std::vector<ReadSpan>& spans;
   const std::vector<std::string>& names;
   const read_io::OpenFiles& files;
@@ -172,10 +170,8 @@ class Worker {
         while (c + 1 < j && c_start + sh_.pieces[c].bytes <= at) c_start += sh_.pieces[c++].bytes;
         const ReadSpan& s = sh_.spans[sh_.pieces[c].span];
         if (got < 0) {
-          sh_.fail(errno_message("'" + sh_.names[s.name] + "': read of " + f.path + " (" +
-                                     read_io::range_text(s.offset, s.offset + s.bytes) +
-                                     ") failed",
-                                 static_cast<int>(-got)));
+          sh_.fail(read_io::read_failed_message(sh_.names[s.name], f.path, s.offset,
+                                                s.offset + s.bytes, static_cast<int>(-got)));
         } else {
           sh_.fail(read_io::truncated_message(sh_.names[s.name], f.path,
                                               static_cast<long long>(off + at), s.offset,
@@ -331,7 +327,7 @@ ReadStats DeviceReader::read(const std::vector<std::string>& paths,
   const read_io::OpenFiles files = read_io::open_files(paths, spans, names, options_.o_direct);
   std::vector<std::size_t> first_piece;
   const std::vector<Piece> pieces = read_io::split_pieces(spans, options_.block_bytes, first_piece);
-  Shared sh(paths, spans, names, files, pieces);
+  Shared sh(spans, names, files, pieces);
   // Groups: consecutive pieces filling a slot.
   std::uint64_t used = 0;
   for (std::size_t k = 0; k < pieces.size(); ++k) {

@@ -15,10 +15,9 @@
 // with one pread() per run of pieces adjacent in one file (at most 1 MiB each, the CRC-32C of
 // each piece taken right after, while in cache; through O_DIRECT when `o_direct`, the file
 // system takes it and the run starts 4 KiB-aligned, as large payloads do), then queues the
-// copies on its own stream (runs
-// adjacent in the device and in the slot become one copy; two or more go in one
-// cudaMemcpyBatchAsync where the runtime has it, else one cudaMemcpyAsync each) and records the
-// slot's event. Many small tensors thus cost one read and one call per slot, not one each.
+// copies on its own stream (runs adjacent in the device and in the slot become one copy; two or
+// more go in one cudaMemcpyBatchAsync where the runtime has it, else one cudaMemcpyAsync each)
+// and records the slot's event. Many small tensors thus cost one read and one call per slot, not one each.
 // Ordering: the copies are ordered after nothing the caller queued: the caller must make sure
 // no device work still writes the destinations (synchronize them) before read(). read()
 // returns only once every copy it queued is complete (streams synchronized), error or not.

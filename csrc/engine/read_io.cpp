@@ -124,6 +124,12 @@ std::string range_text(std::uint64_t a, std::uint64_t b) {
   return "bytes [" + std::to_string(a) + ", " + std::to_string(b) + ")";
 }
 
+std::string read_failed_message(const std::string& name, const std::string& path,
+                                std::uint64_t a, std::uint64_t b, int err) {
+  return errno_message("'" + name + "': read of " + path + " (" + range_text(a, b) + ") failed",
+                       err);
+}
+
 std::string truncated_message(const std::string& name, const std::string& path, long long at,
                               std::uint64_t a, std::uint64_t b) {
   return "'" + name + "': " + path + " ends at byte " + std::to_string(at) +

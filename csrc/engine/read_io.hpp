@@ -60,6 +60,9 @@ long long pread_full(int fd, std::uint8_t* dst, std::size_t bytes, std::uint64_t
                      bool direct);
 
 std::string range_text(std::uint64_t a, std::uint64_t b);  // "bytes [a, b)"
+// "'<name>': read of <path> (bytes [a, b)) failed: <strerror(err)>"
+std::string read_failed_message(const std::string& name, const std::string& path,
+                                std::uint64_t a, std::uint64_t b, int err);
 // "'<name>': <path> ends at byte <at>, inside its data (bytes [a, b)): the file is truncated"
 std::string truncated_message(const std::string& name, const std::string& path, long long at,
                               std::uint64_t a, std::uint64_t b);

@@ -104,9 +104,8 @@ ReadStats ParallelReader::read(const std::vector<std::string>& paths,
           if (got == -EINVAL) {
             f.direct_ok.store(false);  // this file system refuses O_DIRECT here: page cache
           } else if (got < 0) {
-            fail(errno_message("'" + names[s.name] + "': read of " + f.path + " (" +
-                                   range_text(off, end) + ") failed",
-                               static_cast<int>(-got)));
+            fail(read_io::read_failed_message(names[s.name], f.path, off, end,
+                                               static_cast<int>(-got)));
             return;
           } else if (static_cast<std::uint64_t>(got) < end - a0) {
             fail(truncated(static_cast<long long>(a0) + got));
@@ -127,9 +126,8 @@ ReadStats ParallelReader::read(const std::vector<std::string>& paths,
             const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kBufferedRead, p.bytes - pos));
             const long long got = pread_full(f.fd, dst + pos, n, off + pos, /*direct=*/false);
             if (got < 0) {
-              fail(errno_message("'" + names[s.name] + "': read of " + f.path + " (" +
-                                     range_text(off, end) + ") failed",
-                                 static_cast<int>(-got)));
+              fail(read_io::read_failed_message(names[s.name], f.path, off, end,
+                                               static_cast<int>(-got)));
               return;
             }
             if (static_cast<std::size_t>(got) < n) {

@@ -86,32 +86,32 @@ class DeviceTargets:
     def staging(self, device: int) -> _core.DeviceStaging | None:
         """The staging of ``device`` (made on first use; the device settled once per load);
         None when it cannot be had (the reason is logged once)."""
-        if device in self._stagings:
-            kept = self._stagings[device]
-            if kept is not None and device not in self._settled:
-                settle_device(device)
-                self._settled.add(device)
-            return kept
-        staging: _core.DeviceStaging | None = None
+        if device not in self._stagings:
+            self._stagings[device] = self._make(device)
+        staging = self._stagings[device]
+        if staging is not None and device not in self._settled:
+            settle_device(device)
+            self._settled.add(device)
+        return staging
+
+    def _make(self, device: int) -> _core.DeviceStaging | None:
+        """A new staging for ``device``, or None (logged) when it cannot be set up."""
         runtime = loaded_cuda_runtime()
         if not runtime:
             logger.warning("device reads: no CUDA runtime is loaded in this process; reading "
                            "through temporaries instead")
-        else:
-            try:
-                staging = _core.DeviceStaging(
-                    runtime, device, 2 * self.threads, self.slot_bytes,
-                    batch_copies=os.environ.get("DCPDS_NO_CUDA_BATCH", "0") != "1")
-            except (_core.EngineError, RuntimeError, OSError) as e:
-                logger.warning("device reads on device %d unavailable (%s); reading through "
-                               "temporaries instead", device, e)
-        if staging is not None:
-            if not staging.pinned:
-                logger.warning("device reads: staging could not be pinned, copies will be "
-                               "slower: %s", staging.pin_error)
-            settle_device(device)
-            self._settled.add(device)
-        self._stagings[device] = staging
+            return None
+        try:
+            staging = _core.DeviceStaging(
+                runtime, device, 2 * self.threads, self.slot_bytes,
+                batch_copies=os.environ.get("DCPDS_NO_CUDA_BATCH", "0") != "1")
+        except (_core.EngineError, RuntimeError, OSError) as e:
+            logger.warning("device reads on device %d unavailable (%s); reading through "
+                           "temporaries instead", device, e)
+            return None
+        if not staging.pinned:
+            logger.warning("device reads: staging could not be pinned, copies will be slower: "
+                           "%s", staging.pin_error)
         return staging
 
 

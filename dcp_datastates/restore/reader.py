@@ -623,8 +623,7 @@ class DataStatesReader(FileSystemReader):
         """
         if not self.memory_fs:
             return self.threads, self.o_direct, self.block_bytes
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        threads = min(self.threads, max(2, cores or os.cpu_count() or 2))
+        threads = min(self.threads, max(2, _cores()))
         return threads, False, min(self.block_bytes, MEMORY_BLOCK_BYTES)
 
     def _device_threads(self) -> int:
@@ -634,8 +633,7 @@ class DataStatesReader(FileSystemReader):
         threads = self._read_options()[0]
         if not self.memory_fs:
             return threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return max(threads, min(DEVICE_MEMORY_THREADS, cores or os.cpu_count() or 2))
+        return max(threads, min(DEVICE_MEMORY_THREADS, _cores()))
 
     def _deliver_batch(
         self, batch: list[_Chunk], planner: LoadPlanner, devices: set[torch.device]
@@ -721,6 +719,13 @@ class _MarkingPlanner:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 2
 
 
 def _key_offset(rec: ItemRecord) -> tuple[int, ...] | None:
